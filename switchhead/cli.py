@@ -1,0 +1,204 @@
+"""Command-line interface: parses arguments and prints; the library does the work."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from switchhead.errors import SwitchheadError
+
+
+class Group(click.Group):
+    """Turns user errors into one line on stderr and exit code 2 (no traceback)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SwitchheadError as e:
+            click.echo(f"Error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=Group)
+@click.version_option(package_name="switchhead")
+def main():
+    """switchhead: SwitchHead (mixture-of-experts attention) language models."""
+
+
+def _fmt(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+@main.command()
+@click.option("--config", "config_spec", help="Preset name or config JSON file.")
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def info(config_spec, ckpt, as_json):
+    """Parameters, attention MACs/memory (paper formulas) and cache sizes of a model.
+
+    With neither --config nor --ckpt, prints the table of all presets."""
+    from switchhead.model.accounting import summary
+    from switchhead.model.checkpoint import load_config
+    from switchhead.model.config import PRESETS, resolve_config
+
+    if config_spec and ckpt:
+        raise SwitchheadError("give --config or --ckpt, not both")
+    if not config_spec and not ckpt:
+        rows = [summary(c) for c in PRESETS.values()]
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+            return
+        click.echo(f"{'preset':28s} {'attention':10s} {'params':>8s} {'MACs/layer':>10s} {'paper':>8s} "
+                   f"{'floats/layer':>12s} {'paper':>8s} {'KV B/token':>10s}")
+        for s in rows:
+            click.echo(f"{s['name']:28s} {s['config']['attention']:10s} {_fmt(s['params']['total']):>8s} "
+                       f"{_fmt(s['attention_macs_per_layer']):>10s} {_fmt(s['paper_attention_macs_per_layer']):>8s} "
+                       f"{_fmt(s['attention_floats_per_layer']):>12s} "
+                       f"{_fmt(s['paper_attention_floats_per_layer']):>8s} "
+                       f"{_fmt(s['kv_cache_bytes_per_token_fp32']):>10s}")
+        return
+    cfg = resolve_config(config_spec) if config_spec else load_config(ckpt)
+    s = summary(cfg)
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+        return
+    c = s["config"]
+    click.echo(f"model: {s['name']}  ({c['attention']} attention, {c['n_heads']} heads x d_head {c['d_head']}"
+               + (f", E={c['n_experts']} k={c['k']}, MoE {'/'.join(c['moe_projections']).upper()}"
+                  if c["attention"] != "dense" else "")
+               + f"; {c['n_layers']} layers, d_model {c['d_model']}, {c['ff']} feed-forward, "
+                 f"{c['positional']} positions, T={c['chunk_len']}, memory chunks {c['mem_chunks']})")
+    click.echo("parameters:")
+    for k, v in s["params"].items():
+        click.echo(f"  {k:12s} {v:>13,d}  ({_fmt(v)})")
+    click.echo("attention per layer and sequence (paper formulas):")
+    click.echo(f"  MACs         {s['attention_macs_per_layer']:>13,d}  ({_fmt(s['attention_macs_per_layer'])}; "
+               f"paper prints {_fmt(s['paper_attention_macs_per_layer'])})")
+    click.echo(f"  memory       {s['attention_floats_per_layer']:>13,d}  floats "
+               f"({_fmt(s['attention_floats_per_layer'])}; paper prints {_fmt(s['paper_attention_floats_per_layer'])})")
+    click.echo("state per token, all layers (fp32):")
+    click.echo(f"  KV cache     {s['kv_cache_bytes_per_token_fp32']:>13,d}  bytes")
+    click.echo(f"  XL memory    {s['xl_memory_bytes_per_token_fp32']:>13,d}  bytes")
+
+
+@main.command()
+@click.option("--config", "config_spec", help="Preset name or model config JSON (required unless --resume).")
+@click.option("--data", multiple=True, type=click.Path(),
+              help="Training text file (repeatable; each file is one document, followed by the "
+                   "tokenizer's EOS). Required unless --resume.")
+@click.option("--out", required=True, type=click.Path(),
+              help="Output directory (new, empty, or a run to --resume).")
+@click.option("--tokenizer", type=click.Path(),
+              help="SentencePiece model to use; default: train one on --data.")
+@click.option("--vocab-size", type=int, default=8000, show_default=True, help="Size of the tokenizer trained "
+              "on --data (an upper bound on small data). The model's vocab_size follows the tokenizer.")
+@click.option("--steps", type=int, default=100_000, show_default=True, help="Total optimizer steps.")
+@click.option("--batch-size", type=int, default=64, show_default=True,
+              help="Global batch: number of contiguous token lanes (split across processes).")
+@click.option("--lr", type=float, default=2.5e-4, show_default=True, help="Peak learning rate (AdamW, wd 0).")
+@click.option("--warmup", type=int, default=0, show_default=True,
+              help="Linear warm-up steps before the cosine decay.")
+@click.option("--grad-clip", type=float, help="Gradient-norm clip (0: off); default: the config's grad_clip.")
+@click.option("--eval-data", multiple=True, type=click.Path(), help="Held-out text file(s) for validation "
+              "perplexity (repeatable).")
+@click.option("--eval-every", type=int, default=1000, show_default=True, help="Validate every N steps.")
+@click.option("--save-every", type=int, default=1000, show_default=True, help="Checkpoint every N steps.")
+@click.option("--log-every", type=int, default=10, show_default=True, help="Write metrics every N steps.")
+@click.option("--resume", is_flag=True,
+              help="Continue the run in --out from its last checkpoint (options not given are taken "
+                   "from the run; changed ones are refused).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", help="cpu, cuda, cuda:1, ...; default: cuda if available. Under torchrun each "
+              "process uses its LOCAL_RANK GPU.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Autocast dtype; default: bfloat16 on GPUs that support it (float16 with a grad scaler on "
+                   "older ones), float32 on the CPU.")
+@click.option("--cache-dir", type=click.Path(), help="Token cache (default $SWITCHHEAD_CACHE or "
+              "~/.cache/switchhead/tokens).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.pass_context
+def train(ctx, **params):
+    """Train a language model on text files.
+
+    \b
+    Writes into --out:
+      final/          the finished model checkpoint (load with switchhead.load or --ckpt OUT/final)
+      checkpoint/     the latest training state (also a loadable checkpoint); --resume continues from it
+      metrics.jsonl   loss, lr, tokens/s per log step; val_loss/val_ppl per evaluation
+      run.json, tokenizer.model
+    SIGINT/SIGTERM save a checkpoint and stop. Several processes/GPUs:
+    torchrun --nproc_per_node N -m switchhead.train ARGS
+    """
+    from click.core import ParameterSource
+
+    from switchhead.train.loop import TrainOptions, resume_defaults
+    from switchhead.train.loop import train as run_training
+
+    opts = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != ParameterSource.DEFAULT}
+    opts["config"] = opts.pop("config_spec", None)
+    opts["data"] = list(params["data"])
+    opts["eval_data"] = list(params["eval_data"])
+    opts["progress"] = not opts.pop("no_progress", False)
+    if params["resume"]:
+        # Options left out are those of the run being resumed, not the command-line defaults.
+        opts = {**resume_defaults(params["out"]), **{k: v for k, v in opts.items() if v not in (None, [])}}
+    for k, v in params.items():
+        if k not in ("config_spec", "no_progress"):
+            opts.setdefault(k, v)
+    if not opts.get("config"):
+        raise SwitchheadError("--config is required (a preset name or a config JSON file)")
+    if not opts["data"]:
+        raise SwitchheadError("--data is required (one or more text files)")
+    result = run_training(TrainOptions(**opts))
+    if result.interrupted:
+        click.echo(f"interrupted after step {result.step}; checkpoint saved in {result.out}/checkpoint "
+                   "(continue with --resume)", err=True)
+        sys.exit(130)
+    if result.final is not None:
+        summary = f"done: {result.step} steps"
+        if result.last_loss is not None:
+            summary += f", train loss {result.last_loss:.4f}"
+        if result.val_ppl is not None:
+            summary += f", val ppl {result.val_ppl:.2f}"
+        click.echo(f"{summary}; model in {result.final}")
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (with tokenizer.model).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="Drop tokens below min-p times the top probability, in [0, 1].")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
+@click.option("--seed", type=int, help="Same seed, same text (default: random).")
+@click.option("--stop", multiple=True, help="Stop before this string (repeatable).")
+@click.option("--prompts-file", type=click.Path(), help="Text lines or JSONL with a \"prompt\" field; "
+              "writes JSONL.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts decoded together.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: text, token count, speeds.")
+@click.option("--device", default="cpu", show_default=True)
+def generate(prompt, ckpt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
+             prompts_file, batch_size, as_json, device):
+    """Continue PROMPT (or stdin) with a trained model, streaming the text."""
+    from switchhead.runtime.commands import run_generate
+    from switchhead.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+
+    def write(text: str) -> None:
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+
+    run_generate(prompt, ckpt, params, prompts_file, as_json, device, batch_size, write,
+                 stdin=click.get_text_stream("stdin"))

@@ -1,0 +1,120 @@
+"""Resource accounting: parameter counts, the paper's per-layer attention MACs/memory formulas, cache sizes,
+and parameter matching between configurations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from switchhead.errors import ConfigError
+from switchhead.model.config import ModelConfig
+
+# Figures printed in the paper for its configurations (attention MACs and memory in floats, per layer and
+# sequence); None where the paper prints no number. See DESIGN.md §1.
+PAPER_FIGURES: dict[str, dict[str, float | None]] = {
+    "transformer-47m": {"macs": 453.4e6, "floats": 3.5e6},
+    "transformer-47m-2head": {"macs": None, "floats": 1.36e6},
+    "switchhead-47m": {"macs": 203e6, "floats": None},
+    "switchhead-47m-wt103": {"macs": 170.4e6, "floats": None},
+    "transformer-262m": {"macs": 5.4e9, "floats": 21.0e6},
+    "transformer-262m-4head": {"macs": None, "floats": 8.4e6},
+    "switchhead-262m": {"macs": 2.4e9, "floats": 5.6e6},
+}
+
+
+def count_params(config: ModelConfig) -> dict[str, int]:
+    """Parameters per component (embedding, attention, feedforward, norms, output) and the total.
+
+    Counted from the real module tree built on the meta device, so it can never drift from the model."""
+    from switchhead.model.lm import TransformerLM
+
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    parts = {"embedding": 0, "attention": 0, "feedforward": 0, "norms": 0, "output": 0}
+    for name, p in model.named_parameters():
+        if name.startswith("embed."):
+            parts["embedding"] += p.numel()
+        elif name.startswith("out."):
+            parts["output"] += p.numel()
+        elif ".attn." in name:
+            parts["attention"] += p.numel()
+        elif ".ff." in name:
+            parts["feedforward"] += p.numel()
+        else:
+            parts["norms"] += p.numel()
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def attention_macs(config: ModelConfig) -> int:
+    """Multiply-accumulates of one attention layer for one sequence of T tokens (paper appendix formulas)."""
+    h, t, dh, d, k = config.n_heads, config.chunk_len, config.d_head, config.d_model, config.k
+    c = 1 + config.mem_chunks
+    if config.attention == "dense":
+        return h * (4 * t * dh * d + 2 * c * t * t * dh + 2 * c * t * dh * d)
+    if config.attention == "switchhead":
+        return h * (2 * t * dh * d + 2 * t * k * dh * (d + 1) + 2 * c * t * t * dh + 2 * c * t * dh * d)
+    return (2 * h + 2) * t * dh * d + 2 * h * c * t * t * dh + 2 * c * t * dh * d
+
+
+def attention_memory(config: ModelConfig) -> int:
+    """Floats of attention state of one layer for one sequence (paper appendix formulas)."""
+    h, t, dh = config.n_heads, config.chunk_len, config.d_head
+    c = 1 + config.mem_chunks
+    if config.attention == "moa":
+        return (2 * h + 2) * t * dh + 2 * h * c * t * t + 2 * c * t * dh
+    return h * (4 * t * dh + 2 * c * t * t + 2 * c * t * dh)
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:
+    """Generation cache per token, all layers: K and V after projection (MoA shares one K/V head)."""
+    heads = 1 if config.attention == "moa" else config.n_heads
+    return 2 * heads * config.d_head * config.n_layers * bytes_per_element
+
+
+def xl_memory_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:
+    """Training-time XL memory per token: one d_model layer input per layer (0 without memory)."""
+    return config.mem_chunks * config.d_model * config.n_layers * bytes_per_element
+
+
+def match_params(config: ModelConfig, target: int | ModelConfig, field: str = "d_head",
+                 valid: Callable[[int], bool] | None = None) -> ModelConfig:
+    """Return `config` with integer `field` (d_head or d_ff) chosen so that its total parameter count is as
+    close as possible to `target` (a count or another config)."""
+    if field not in ("d_head", "d_ff"):
+        raise ConfigError(f"can only match parameters by d_head or d_ff, not {field!r}")
+    goal = count_params(target)["total"] if isinstance(target, ModelConfig) else int(target)
+    ok = valid or ((lambda v: v % 4 == 0) if field == "d_head" and config.positional == "rope" else (lambda v: True))
+
+    def total(v: int) -> int:
+        return count_params(config.replace(**{field: v}))["total"]
+
+    lo, hi = 1, 2
+    while total(hi) < goal:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 20:
+            raise ConfigError(f"cannot reach {goal} parameters by growing {field}")
+    while hi - lo > 1:  # parameters grow monotonically with d_head and d_ff
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if total(mid) < goal else (lo, mid)
+    candidates = [v for v in range(max(1, lo - 4), hi + 5) if ok(v)]
+    best = min(candidates, key=lambda v: abs(total(v) - goal))
+    return config.replace(**{field: best})
+
+
+def summary(config: ModelConfig) -> dict:
+    """Everything `switchhead info` prints, as plain JSON-able data."""
+    macs, floats = attention_macs(config), attention_memory(config)
+    paper = PAPER_FIGURES.get(config.name, {})
+    return {
+        "name": config.name,
+        "config": config.to_dict(),
+        "params": count_params(config),
+        "attention_macs_per_layer": macs,
+        "attention_floats_per_layer": floats,
+        "paper_attention_macs_per_layer": paper.get("macs"),
+        "paper_attention_floats_per_layer": paper.get("floats"),
+        "kv_cache_bytes_per_token_fp32": kv_cache_bytes_per_token(config),
+        "xl_memory_bytes_per_token_fp32": xl_memory_bytes_per_token(config),
+    }

@@ -1,0 +1,133 @@
+"""Checkpoints: a directory with config.json, model.safetensors and (optionally) tokenizer.model.
+
+Written into a temporary sibling directory and renamed into place, so a crash never leaves a half-written
+checkpoint; loaded with full validation and without unpickling anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from switchhead.errors import CheckpointError, ConfigError
+from switchhead.model.config import ModelConfig
+from switchhead.model.lm import TransformerLM
+
+CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.model"
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / CONFIG).is_file() and (p / WEIGHTS).is_file()
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to `path`; on success it replaces `path` by rename.
+
+    If the body raises, the temporary directory is removed and `path` is untouched. An existing `path` is
+    moved aside first and deleted only after the new one is in place.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise CheckpointError(f"{path} already exists")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():  # make the files durable before the directory becomes visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
+    """Write `model` (and a SentencePiece tokenizer) as a checkpoint directory at `path`.
+
+    Refuses to replace a non-empty directory that is not a checkpoint, so nothing unrelated is ever lost.
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not is_checkpoint(path))):
+        raise CheckpointError(f"refusing to overwrite {path}: it exists and is not a switchhead checkpoint")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    with atomic_directory(path) as tmp:
+        (tmp / CONFIG).write_text(model.config.to_json())
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer is not None:
+            (tmp / TOKENIZER).write_bytes(tokenizer.serialized_model_proto())
+    return path
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    if not (path / CONFIG).is_file():
+        raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
+    try:
+        return ModelConfig.from_json((path / CONFIG).read_text())
+    except ConfigError as e:
+        raise CheckpointError(f"{path / CONFIG}: {e}") from None
+
+
+def load(path: str | Path, device: str | torch.device = "cpu",
+         dtype: torch.dtype | None = torch.float32) -> tuple[TransformerLM, object | None]:
+    """Load a checkpoint directory: (model in eval mode, SentencePieceProcessor or None).
+
+    Weights are cast to `dtype` (float32 by default, so half-precision checkpoints run anywhere); pass
+    None to keep the stored dtype."""
+    path = Path(path)
+    config = load_config(path)
+    if not (path / WEIGHTS).is_file():
+        raise CheckpointError(f"{path} is not a checkpoint: {WEIGHTS} is missing")
+    try:
+        tensors = load_file(str(path / WEIGHTS), device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path / WEIGHTS} is corrupt: {e}") from None
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        parts = ([f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []) + \
+                ([f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"] if extra else [])
+        raise CheckpointError(f"{path / WEIGHTS} does not match its config: {'; '.join(parts)}")
+    for k, shape in expected.items():
+        if tensors[k].shape != shape:
+            raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has shape {tuple(tensors[k].shape)}, "
+                                  f"config expects {tuple(shape)}")
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    model.load_state_dict(tensors, assign=True)
+    model.eval()
+    tokenizer = None
+    if (path / TOKENIZER).is_file():
+        import sentencepiece as spm
+
+        tokenizer = spm.SentencePieceProcessor()
+        try:
+            tokenizer.LoadFromSerializedProto((path / TOKENIZER).read_bytes())
+        except Exception as e:  # sentencepiece raises a bare RuntimeError/OSError on bad protos
+            raise CheckpointError(f"{path / TOKENIZER} is corrupt: {e}") from None
+        if tokenizer.get_piece_size() != config.vocab_size:
+            raise CheckpointError(f"{path / TOKENIZER} has {tokenizer.get_piece_size()} pieces but the model "
+                                  f"expects vocab_size {config.vocab_size}")
+    return model, tokenizer

@@ -1,0 +1,315 @@
+"""Attention variants (SwitchHead, dense relative XL, MoA), feed-forward variants (dense, sigma-MoE), pre-LN block.
+
+Every attention module exposes the same two halves so that the LM's chunked forward and the runtime's cached
+decoding run the same code:
+
+- ``kv(src_BSD) -> (k_BSGd, v_BSGd)``: keys and values of the source tokens (V after its expert mix), i.e.
+  exactly what a KV cache stores;
+- ``attend(x_BTD, k, v, pos_q_BT, pos_k_BS, valid_BS) -> y_BTD``: queries of the destination tokens against
+  those keys. Positions are indices in the key window; query t sees key s iff pos_k <= pos_q and valid.
+  XL relative positions use the distance pos_q - pos_k, which must lie in [0, S).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from switchhead.kernels import expert_projection
+from switchhead.model.config import ModelConfig
+
+
+def wide(t: Tensor) -> Tensor:
+    """At least float32: routing and softmax logits stay accurate under fp16/bf16 (float64 is kept)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def sinusoids(n: int, d: int, device=None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Transformer-XL sinusoidal embedding of the distances 0..n-1: [n, d]."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device, dtype=dtype) / d))
+    angles = torch.arange(n, device=device, dtype=dtype)[:, None] * inv_freq[None]
+    return torch.cat([angles.sin(), angles.cos()], -1)[:, :d]
+
+
+def apply_rope(x_BTHd: Tensor, pos_BT: Tensor) -> Tensor:
+    """Rotary embedding (rotate-half, base 10000) on the first half of each head's channels."""
+    rot = x_BTHd.shape[-1] // 2
+    dtype = wide(x_BTHd).dtype
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, device=x_BTHd.device, dtype=dtype) / rot))
+    angles = pos_BT.to(dtype)[..., None] * inv_freq  # [B, T, rot/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None].to(x_BTHd.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None].to(x_BTHd.dtype)
+    xr, rest = x_BTHd[..., :rot], x_BTHd[..., rot:]
+    half = torch.cat([-xr[..., rot // 2:], xr[..., : rot // 2]], -1)
+    return torch.cat([xr * cos + half * sin, rest], -1)
+
+
+def init_(w: Tensor, fan_in: int, n_layers: int) -> Tensor:
+    """The paper's pre-LN init: N(0, sqrt(2 / n_layers) / sqrt(fan_in))."""
+    return nn.init.normal_(w, 0.0, math.sqrt(2 / n_layers) / math.sqrt(fan_in))
+
+
+def select_topk(x_ND: Tensor, w_sel: Tensor, n_groups: int, k: int) -> tuple[Tensor, Tensor]:
+    """Non-competitive routing: per group, top-k of sigmoid(x W_sel) over its experts; the gate is the sigmoid
+    value itself (no renormalisation). Returns global expert ids (group g owns g*E..g*E+E-1) and gates, [N, G*k].
+    Computed in float32 as in the paper."""
+    scores = torch.sigmoid(F.linear(wide(x_ND), wide(w_sel))).view(x_ND.shape[0], n_groups, -1)
+    gate, idx = scores.topk(k, dim=-1, sorted=False)
+    idx = idx + torch.arange(n_groups, device=idx.device)[:, None] * scores.shape[-1]
+    return idx.flatten(1), gate.flatten(1)
+
+
+def window_positions(m: int, t: int, device=None) -> tuple[Tensor, Tensor]:
+    """Query and key positions [1, T], [1, M+T] for T tokens after M memory tokens."""
+    pos_k = torch.arange(m + t, device=device)[None]
+    return pos_k[:, m:], pos_k
+
+
+class AttentionBase(nn.Module):
+    """Shared score/softmax/mix step; subclasses define projections and positional terms."""
+
+    record: bool = False  # when True, `last_probs` keeps the attention probabilities [B, H, T, S]
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.last_probs: Tensor | None = None
+
+    def forward(self, x_BTD: Tensor, mem_BMD: Tensor | None = None) -> Tensor:
+        src = x_BTD if mem_BMD is None else torch.cat([mem_BMD, x_BTD], 1)
+        k, v = self.kv(src)
+        return self.attend(x_BTD, k, v, *window_positions(src.shape[1] - x_BTD.shape[1], x_BTD.shape[1], x_BTD.device))
+
+    def rel_pos(self, n: int, device=None) -> Tensor:
+        """Projected relative-position embeddings of distances 0..n-1: [n, G, dh] (XL only)."""
+        w = self.pos.weight
+        r = self.pos(sinusoids(n, self.cfg.d_model, device, wide(w).dtype).to(w.dtype))
+        return r.view(n, -1, self.cfg.d_head)
+
+    def mix(self, q_BTHd: Tensor, k_BSGd: Tensor, v_BSGd: Tensor, pos_q: Tensor, pos_k: Tensor,
+            valid: Tensor | None, scale: Tensor | float = 1.0, q_pos_BTHd: Tensor | None = None) -> Tensor:
+        """softmax(scale * (q k^T + q_pos r[pos_q - pos_k])) v with the causal/validity mask -> [B, T, H, dh]."""
+        if k_BSGd.shape[2] != q_BTHd.shape[2]:  # MoA: one shared K/V head for every query head
+            k_BSGd, v_BSGd = (t.expand(-1, -1, q_BTHd.shape[2], -1) for t in (k_BSGd, v_BSGd))
+        if self.cfg.positional == "rope":
+            q_BTHd, k_BSGd = apply_rope(q_BTHd, pos_q.expand(q_BTHd.shape[0], -1)), apply_rope(
+                k_BSGd, pos_k.expand(k_BSGd.shape[0], -1))
+        logits = torch.einsum("bthd,bshd->bhts", wide(q_BTHd), wide(k_BSGd))
+        dist = pos_q[:, None, :, None] - pos_k[:, None, None, :]  # [B, 1, T, S]
+        if self.cfg.positional == "xl":
+            n = k_BSGd.shape[1]
+            r = self.rel_pos(n, q_BTHd.device)
+            q_pos = q_BTHd if q_pos_BTHd is None else q_pos_BTHd
+            if r.shape[1] != q_pos.shape[2]:
+                r = r.expand(-1, q_pos.shape[2], -1)
+            by_dist = torch.einsum("bthd,nhd->bhtn", wide(q_pos), wide(r))  # [B, H, T, n distances]
+            idx = dist.clamp(0, n - 1).expand(by_dist.shape[0], by_dist.shape[1], -1, -1)
+            logits = logits + by_dist.gather(-1, idx)
+        logits = logits * scale
+        visible = dist >= 0
+        if valid is not None:
+            visible = visible & valid[:, None, None, :]
+        probs = logits.masked_fill(~visible, torch.finfo(logits.dtype).min).softmax(-1)
+        if self.record:
+            self.last_probs = probs.detach()
+        return torch.einsum("bhts,bshd->bthd", probs.to(v_BSGd.dtype), v_BSGd)
+
+
+class SwitchHeadAttention(AttentionBase):
+    """H heads; any subset of V, K, Q, O is a top-k mixture of E experts per head (DESIGN §1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        d, h, e, dh, n = cfg.d_model, cfg.n_heads, cfg.n_experts, cfg.d_head, cfg.n_layers
+        for name in "vkq":
+            shape = (h * e, d, dh) if cfg.is_moe(name) else (h * dh, d)
+            self.register_parameter(f"w_{name}", nn.Parameter(init_(torch.empty(shape), d, n)))
+        w_o_shape = (h * e, dh, d) if cfg.is_moe("o") else (d, h * dh)
+        self.w_o = nn.Parameter(init_(torch.empty(w_o_shape), h * dh, n))
+        # V's selection serves K too (source side); O's serves Q (destination side).
+        self.sel_v = nn.Parameter(init_(torch.empty(h * e, d), d, n)) if cfg.is_moe("v") or cfg.is_moe("k") else None
+        needs_o = cfg.is_moe("o") or cfg.is_moe("q")
+        self.sel_o = (nn.Parameter(init_(torch.empty(h * e, d), d, n))
+                      if needs_o and not (cfg.shared_selection and self.sel_v is not None) else None)
+        self.pos = nn.Linear(d, h * dh, bias=False) if cfg.positional == "xl" else None
+        if self.pos is not None:
+            init_(self.pos.weight, d, n)
+        self.scale = dh ** -0.25
+
+    @property
+    def _sel_o(self) -> Tensor | None:
+        return self.sel_o if self.sel_o is not None else self.sel_v
+
+    def _project(self, name: str, x_ND: Tensor, route: tuple[Tensor, Tensor] | None) -> Tensor:
+        w = getattr(self, f"w_{name}")
+        if route is None:
+            return F.linear(x_ND, w).view(x_ND.shape[0], self.cfg.n_heads, self.cfg.d_head)
+        return expert_projection(x_ND[:, None], w, route[0], route[1], self.cfg.n_heads)
+
+    def route(self, x_ND: Tensor, side: str) -> tuple[Tensor, Tensor] | None:
+        """(expert ids, gates) [N, H*k] for the source ('v') or destination ('o') side, or None if dense."""
+        w = self.sel_v if side == "v" else self._sel_o
+        return None if w is None else select_topk(x_ND, w, self.cfg.n_heads, self.cfg.k)
+
+    def kv(self, src_BSD: Tensor) -> tuple[Tensor, Tensor]:
+        b, s, _ = src_BSD.shape
+        x = src_BSD.reshape(b * s, -1)
+        route = self.route(x, "v")
+        k = self._project("k", x, route if self.cfg.is_moe("k") else None) * self.scale
+        v = self._project("v", x, route if self.cfg.is_moe("v") else None)
+        return k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:])
+
+    def attend(self, x_BTD, k, v, pos_q, pos_k, valid=None):
+        b, t, d = x_BTD.shape
+        x = x_BTD.reshape(b * t, d)
+        route = self.route(x, "o")
+        q = self._project("q", x, route if self.cfg.is_moe("q") else None) * self.scale
+        q = q.view(b, t, *q.shape[1:])
+        a = self.mix(q, k, v, pos_q, pos_k, valid).reshape(b * t, -1, self.cfg.d_head)
+        if self.cfg.is_moe("o"):
+            y = expert_projection(a, self.w_o, route[0], route[1], 1)
+        else:
+            y = F.linear(a.flatten(1), self.w_o)
+        return y.view(b, t, d)
+
+    def rel_pos(self, n, device=None):
+        return super().rel_pos(n, device) * self.scale
+
+
+class DenseXLAttention(AttentionBase):
+    """Standard relative multi-head attention: global content/position biases u, v and a learnable scale."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        d, h, dh, n = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.n_layers
+        self.w_q, self.w_k, self.w_v = (nn.Parameter(init_(torch.empty(h * dh, d), d, n)) for _ in range(3))
+        self.w_o = nn.Parameter(init_(torch.empty(d, h * dh), h * dh, n))
+        self.scale = nn.Parameter(torch.tensor(dh ** -0.5))
+        if cfg.positional == "xl":
+            self.pos = nn.Linear(d, h * dh, bias=False)
+            init_(self.pos.weight, d, n)
+            self.u = nn.Parameter(torch.zeros(h, dh))
+            self.v = nn.Parameter(torch.zeros(h, dh))
+        else:
+            self.pos = self.u = self.v = None
+
+    def kv(self, src_BSD):
+        b, s, _ = src_BSD.shape
+        shape = (b, s, self.cfg.n_heads, self.cfg.d_head)
+        return F.linear(src_BSD, self.w_k).view(shape), F.linear(src_BSD, self.w_v).view(shape)
+
+    def attend(self, x_BTD, k, v, pos_q, pos_k, valid=None):
+        b, t, _ = x_BTD.shape
+        q = F.linear(x_BTD, self.w_q).view(b, t, self.cfg.n_heads, self.cfg.d_head)
+        if self.u is not None:
+            a = self.mix(q + self.u, k, v, pos_q, pos_k, valid, self.scale, q_pos_BTHd=q + self.v)
+        else:
+            a = self.mix(q, k, v, pos_q, pos_k, valid, self.scale)
+        return F.linear(a.reshape(b, t, -1), self.w_o)
+
+
+class MoAAttention(AttentionBase):
+    """Mixture of Attention heads (Zhang et al. 2022): one shared K/V head, k of E query/output experts per
+    token, one attention map per selected expert, softmax (or sigmoid) gates over the selected experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        d, e, dh, n = cfg.d_model, cfg.n_experts, cfg.d_head, cfg.n_layers
+        self.w_k, self.w_v = (nn.Parameter(init_(torch.empty(dh, d), d, n)) for _ in range(2))
+        self.w_q = nn.Parameter(init_(torch.empty(e, d, dh), d, n))
+        self.w_o = nn.Parameter(init_(torch.empty(e, dh, d), cfg.k * dh, n))
+        self.sel = nn.Parameter(init_(torch.empty(e, d), d, n))
+        self.pos = nn.Linear(d, dh, bias=False) if cfg.positional == "xl" else None
+        if self.pos is not None:
+            init_(self.pos.weight, d, n)
+        self.scale = dh ** -0.25
+
+    def kv(self, src_BSD):
+        b, s, _ = src_BSD.shape
+        k = F.linear(src_BSD, self.w_k).view(b, s, 1, -1) * self.scale
+        return k, F.linear(src_BSD, self.w_v).view(b, s, 1, -1)
+
+    def attend(self, x_BTD, k, v, pos_q, pos_k, valid=None):
+        b, t, d = x_BTD.shape
+        x = x_BTD.reshape(b * t, d)
+        logits = F.linear(wide(x), wide(self.sel))
+        top, idx = logits.topk(self.cfg.k, dim=-1, sorted=False)
+        gate = top.softmax(-1) if self.cfg.moa_gate == "softmax" else top.sigmoid()
+        q = expert_projection(x[:, None], self.w_q, idx, None, self.cfg.k) * self.scale
+        a = self.mix(q.view(b, t, self.cfg.k, -1), k, v, pos_q, pos_k, valid)
+        return expert_projection(a.reshape(b * t, self.cfg.k, -1), self.w_o, idx, gate, 1).view(b, t, d)
+
+    def rel_pos(self, n, device=None):
+        return super().rel_pos(n, device) * self.scale
+
+
+class DenseFF(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up, self.down = nn.Linear(cfg.d_model, cfg.d_ff), nn.Linear(cfg.d_ff, cfg.d_model)
+        for lin in (self.up, self.down):
+            init_(lin.weight, lin.in_features, cfg.n_layers)
+            nn.init.zeros_(lin.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.drop(F.relu(self.up(x))))
+
+
+class SigmaMoE(nn.Module):
+    """sigma-MoE feed-forward: y = sum over top-k of sigmoid(x W_sel) of gate_e * ReLU(x W1_e) W2_e."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, e, g, n = cfg.d_model, cfg.ff_n_experts, cfg.ff_expert_size, cfg.n_layers
+        self.cfg = cfg
+        self.w1 = nn.Parameter(init_(torch.empty(e, d, g), d, n))
+        self.w2 = nn.Parameter(init_(torch.empty(e, g, d), e * g, n))
+        sel = init_(torch.empty(e, d), d, n)
+        self.sel = nn.Parameter(sel * sel.norm(dim=1).mean() / sel.norm(dim=1, keepdim=True))
+        self.last_aux: Tensor | None = None
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        b, t, d = x_BTD.shape
+        x = x_BTD.reshape(b * t, d)
+        logits = F.linear(wide(x), wide(self.sel))
+        for_topk = logits
+        if self.training and self.cfg.ff_expert_dropout > 0:
+            drop = torch.rand_like(logits) < self.cfg.ff_expert_dropout
+            for_topk = logits.masked_fill(drop, float("-inf"))
+        idx = for_topk.topk(self.cfg.ff_k, dim=-1, sorted=False).indices
+        gate = logits.gather(-1, idx).sigmoid()
+        h = F.relu(expert_projection(x[:, None], self.w1, idx, None, self.cfg.ff_k))
+        y = expert_projection(h, self.w2, idx, gate, 1)
+        # Entropy regulariser: maximise the entropy of the batch-mean expert distribution.
+        log_p = torch.logsumexp(logits.log_softmax(-1), 0) - math.log(logits.shape[0])
+        self.last_aux = self.cfg.ff_entropy_coef * (log_p.exp() * log_p).sum()
+        return y.view(b, t, d)
+
+
+ATTENTION = {"switchhead": SwitchHeadAttention, "dense": DenseXLAttention, "moa": MoAAttention}
+
+
+class Block(nn.Module):
+    """Pre-LN block: x + Attn(LN1(x), memory=LN1(mem)); then x + FF(LN2(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn = ATTENTION[cfg.attention](cfg)
+        self.ff = SigmaMoE(cfg) if cfg.ff == "sigma_moe" else DenseFF(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: Tensor, mem_BMD: Tensor | None = None) -> Tensor:
+        h = self.ln1(x_BTD)
+        src = h if mem_BMD is None else torch.cat([self.ln1(mem_BMD), h], 1)
+        k, v = self.attn.kv(src)
+        return self.finish(x_BTD, h, k, v, *window_positions(src.shape[1] - h.shape[1], h.shape[1], h.device))
+
+    def finish(self, x_BTD, h_BTD, k, v, pos_q, pos_k, valid=None) -> Tensor:
+        """The rest of the block once K/V of the whole key window are known (shared with cached decoding)."""
+        x = x_BTD + self.drop(self.attn.attend(h_BTD, k, v, pos_q, pos_k, valid))
+        return x + self.drop(self.ff(self.ln2(x)))

@@ -1,0 +1,82 @@
+"""The language model: embedding, pre-LN blocks with XL memory, final LN, output layer."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from switchhead.errors import SwitchheadError
+from switchhead.model.config import ModelConfig
+from switchhead.model.layers import Block, SigmaMoE
+
+
+class KVCache(Protocol):
+    """What `TransformerLM.decode` needs from a cache (implemented by the runtime)."""
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """Store the new keys/values of `layer`; return the whole key window (k, v), the new tokens' positions
+        pos_q [B, T], the window's positions pos_k [B, S] and its validity mask [B, S] (or None)."""
+        ...
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.out = nn.Linear(config.d_model, config.vocab_size)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits [B, T, vocab] and the memory for the next chunk of the same streams.
+
+        `memory` is [n_layers, B, M, d_model]: the (detached) layer inputs of the previous chunk, as returned by
+        the previous call, or None. Inputs longer than `chunk_len` are processed chunk by chunk, exactly as in
+        training; the returned memory is then that of the last chunk. Without memory (mem_chunks=0) chunks are
+        independent and None is returned.
+        """
+        cfg = self.config
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise SwitchheadError(f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > cfg.chunk_len:
+            logits = []
+            for chunk in input_ids.split(cfg.chunk_len, dim=1):
+                out, memory = self(chunk, memory)
+                logits.append(out)
+            return torch.cat(logits, 1), memory
+        if memory is not None and cfg.mem_chunks == 0:
+            memory = None
+        if memory is not None and (memory.shape[0] != cfg.n_layers or memory.shape[1] != input_ids.shape[0]):
+            raise SwitchheadError(f"memory has shape {tuple(memory.shape)}; expected "
+                                  f"[{cfg.n_layers}, {input_ids.shape[0]}, M, {cfg.d_model}]")
+        x = self.drop(self.embed(input_ids))
+        new_memory = []
+        for i, block in enumerate(self.blocks):
+            if cfg.mem_chunks:
+                new_memory.append(x.detach())
+            x = block(x, None if memory is None else memory[i])
+        return self.out(self.drop(self.ln_f(x))), torch.stack(new_memory) if new_memory else None
+
+    def decode(self, input_ids: Tensor, cache: KVCache) -> Tensor:
+        """Logits for new tokens given a KV cache that holds everything before them (see `KVCache`)."""
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            h = block.ln1(x)
+            k, v, pos_q, pos_k, valid = cache.update(i, *block.attn.kv(h))
+            x = block.finish(x, h, k, v, pos_q, pos_k, valid)
+        return self.out(self.ln_f(x))
+
+    def aux_loss(self) -> Tensor:
+        """Auxiliary loss of the last forward (sigma-MoE entropy regularisers, coefficients applied)."""
+        terms = [m.last_aux for m in self.modules() if isinstance(m, SigmaMoE) and m.last_aux is not None]
+        return torch.stack(terms).sum() if terms else self.out.bias.new_zeros(())
+
+    def record_attention(self, on: bool = True) -> None:
+        """Keep each layer's attention probabilities of the next forwards in `block.attn.last_probs`."""
+        for block in self.blocks:
+            block.attn.record = on
+            block.attn.last_probs = None

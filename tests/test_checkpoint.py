@@ -1,0 +1,130 @@
+"""Checkpoint round trip and every bad-checkpoint case."""
+
+import json
+import os
+
+import pytest
+import sentencepiece as spm
+import torch
+
+import switchhead
+from switchhead import PRESETS, CheckpointError, TransformerLM
+from switchhead.model.checkpoint import atomic_directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sp")
+    text = d / "t.txt"
+    text.write_text("\n".join(f"the cat {i} sat on the mat number {i * 7}" for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(d / "m"), vocab_size=60, model_type="bpe",
+                                   split_digits=True, minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=str(d / "m.model"))
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")])
+def test_round_trip_bit_exact(tmp_path, name):
+    model = TransformerLM(PRESETS[name])
+    switchhead.save(tmp_path / "ck", model)
+    loaded, tok = switchhead.load(tmp_path / "ck")
+    assert tok is None and loaded.config == model.config and not loaded.training
+    for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    ids = torch.randint(0, 512, (1, 9))
+    model.eval()
+    assert torch.equal(model(ids)[0], loaded(ids)[0])
+
+
+def test_tokenizer_round_trip_and_overwrite(tmp_path, tokenizer):
+    cfg = PRESETS["tiny-switchhead"].replace(vocab_size=tokenizer.get_piece_size())
+    switchhead.save(tmp_path / "ck", TransformerLM(cfg), tokenizer)
+    _, tok = switchhead.load(tmp_path / "ck")
+    assert tok.encode("the cat 42") == tokenizer.encode("the cat 42")
+    model2 = TransformerLM(cfg)
+    switchhead.save(tmp_path / "ck", model2, tokenizer)  # replacing a checkpoint is allowed
+    loaded, _ = switchhead.load(tmp_path / "ck")
+    assert torch.equal(loaded.out.weight, model2.out.weight)
+    assert sorted(os.listdir(tmp_path)) == ["ck"], "no temporary directories left behind"
+
+
+def test_half_precision_checkpoint_loads_as_float32(tmp_path):
+    model = TransformerLM(PRESETS["tiny-switchhead"]).half()
+    switchhead.save(tmp_path / "ck", model)
+    loaded, _ = switchhead.load(tmp_path / "ck")
+    assert loaded.out.weight.dtype == torch.float32
+    assert torch.equal(loaded.out.weight, model.out.weight.float())
+    kept, _ = switchhead.load(tmp_path / "ck", dtype=None)
+    assert kept.out.weight.dtype == torch.float16
+
+
+def test_refuses_to_overwrite_foreign_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="refusing"):
+        switchhead.save(tmp_path, TransformerLM(PRESETS["tiny-switchhead"]))
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+
+
+def test_crash_while_writing_leaves_old_checkpoint_intact(tmp_path):
+    model = TransformerLM(PRESETS["tiny-switchhead"])
+    switchhead.save(tmp_path / "ck", model)
+    before = (tmp_path / "ck" / "model.safetensors").read_bytes()
+    with pytest.raises(RuntimeError):
+        with atomic_directory(tmp_path / "ck") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("crash")
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+@pytest.fixture
+def ckpt(tmp_path, tokenizer):
+    cfg = PRESETS["tiny-switchhead"].replace(vocab_size=tokenizer.get_piece_size())
+    return switchhead.save(tmp_path / "ck", TransformerLM(cfg), tokenizer)
+
+
+def _edit_weights(path, fn):
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(path / "model.safetensors"))
+    fn(t)
+    save_file(t, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda p: (p / "config.json").unlink(), "config.json is missing"),
+    (lambda p: (p / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 5), "corrupt"),
+    (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]), "corrupt"),
+    (lambda p: (p / "config.json").write_text("{not json"), "JSON"),
+    (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
+                                                          "bogus": 1})), "unknown config key"),
+    (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
+                                                          "d_model": -3})), "d_model"),
+    (lambda p: _edit_weights(p, lambda t: t.pop("out.bias")), "missing out.bias"),
+    (lambda p: _edit_weights(p, lambda t: t.update(extra=torch.zeros(1))), "unexpected extra"),
+    (lambda p: _edit_weights(p, lambda t: t.update({"out.bias": torch.zeros(3)})), "out.bias has shape"),
+    (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
+                                                          "n_layers": 3})), "missing blocks.2"),
+    (lambda p: (p / "tokenizer.model").write_bytes(b"garbage"), "tokenizer.model is corrupt"),
+    (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
+                                                          "vocab_size": 512})), "shape|pieces"),
+])
+def test_bad_checkpoints_give_one_clear_error(ckpt, damage, message):
+    damage(ckpt)
+    with pytest.raises(CheckpointError, match=message):
+        switchhead.load(ckpt)
+
+
+def test_missing_directory():
+    with pytest.raises(CheckpointError, match="not found"):
+        switchhead.load("/nonexistent/ck")
+
+
+def test_nothing_is_unpickled(ckpt, monkeypatch):
+    import pickle
+
+    def boom(*a, **k):
+        raise AssertionError("unpickling attempted")
+    monkeypatch.setattr(pickle, "load", boom)
+    monkeypatch.setattr(pickle, "loads", boom)
+    monkeypatch.setattr(torch, "load", boom)
+    switchhead.load(ckpt)

@@ -1,0 +1,146 @@
+"""Config validation and JSON, presets, parameter matching and the paper's accounting formulas."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from switchhead import PRESETS, ConfigError, ModelConfig
+from switchhead.cli import main
+from switchhead.model.accounting import (
+    attention_macs,
+    attention_memory,
+    count_params,
+    kv_cache_bytes_per_token,
+    match_params,
+)
+from switchhead.model.config import resolve_config
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_round_trip_json(name):
+    cfg = PRESETS[name]
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.name == name
+
+
+@pytest.mark.parametrize("field,value", [
+    ("d_model", 0), ("n_heads", -1), ("k", 2.5), ("vocab_size", True), ("dropout", 1.0), ("attention", "sparse"),
+    ("positional", "alibi"), ("ff", "glu"), ("mem_chunks", 2), ("moe_projections", ("v", "x")),
+    ("grad_clip", -1.0), ("ff_expert_dropout", -0.1),
+])
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**{field: value})
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="k"):
+        ModelConfig(n_experts=2, k=3)
+    with pytest.raises(ConfigError, match="n_heads"):
+        ModelConfig(attention="moa", n_heads=4, k=4, n_experts=2)
+    with pytest.raises(ConfigError, match="d_head"):
+        ModelConfig(positional="rope", d_head=10)
+    with pytest.raises(ConfigError, match="ff_k"):
+        ModelConfig(ff="sigma_moe", ff_n_experts=2, ff_k=3)
+
+
+def test_unknown_keys_and_bad_json():
+    with pytest.raises(ConfigError, match="unknown config key.*n_hedas"):
+        ModelConfig.from_dict({"n_hedas": 3})
+    with pytest.raises(ConfigError, match="JSON"):
+        ModelConfig.from_json("{nope")
+    with pytest.raises(ConfigError, match="unknown config"):
+        resolve_config("not-a-preset")
+
+
+def test_resolve_config_from_file(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(PRESETS["tiny-moa"].to_json())
+    assert resolve_config(p) == PRESETS["tiny-moa"]
+    with pytest.raises(ConfigError, match="not found"):
+        resolve_config(tmp_path / "missing.json")
+
+
+def test_moe_projection_order_is_canonical():
+    assert ModelConfig(moe_projections=("o", "v")) == ModelConfig(moe_projections=["v", "o"])
+
+
+def test_dense_rows_reproduce_the_paper_exactly():
+    t47, t262 = PRESETS["transformer-47m"], PRESETS["transformer-262m"]
+    assert round(attention_macs(t47) / 1e6, 1) == 453.4
+    assert round(attention_memory(t47) / 1e6, 1) == 3.5
+    assert round(attention_memory(PRESETS["transformer-47m-2head"]) / 1e6, 2) == 1.36
+    assert round(attention_macs(t262) / 1e9, 2) == 5.37
+    assert round(attention_memory(t262) / 1e6, 1) == 21.0
+    assert round(attention_memory(PRESETS["transformer-262m-4head"]) / 1e6, 1) == 8.4
+
+
+def test_switchhead_rows_follow_the_formula():
+    # The paper prints 170.4M / 203M / 2.4G for these; the formula with Table 9's values gives:
+    assert round(attention_macs(PRESETS["switchhead-47m-wt103"]) / 1e6, 1) == 200.3
+    assert round(attention_macs(PRESETS["switchhead-47m"]) / 1e6, 1) == 232.5
+    assert round(attention_macs(PRESETS["switchhead-262m"]) / 1e9, 2) == 2.82
+    assert round(attention_memory(PRESETS["switchhead-262m"]) / 1e6, 2) == 6.03
+
+
+def test_moa_formula():
+    cfg = PRESETS["moa-47m"]
+    h, t, dh, d = cfg.n_heads, cfg.chunk_len, cfg.d_head, cfg.d_model
+    assert attention_macs(cfg) == (2 * h + 2) * t * dh * d + 2 * h * 2 * t * t * dh + 2 * 2 * t * dh * d
+
+
+def test_param_count_matches_hand_count():
+    cfg = PRESETS["tiny-switchhead"]
+    d, h, e, dh, v, f = cfg.d_model, cfg.n_heads, cfg.n_experts, cfg.d_head, cfg.vocab_size, cfg.d_ff
+    attn = 2 * h * dh * d + 2 * h * e * d * dh + 2 * h * e * d + h * dh * d
+    ff = d * f + f + f * d + d
+    want = v * d + cfg.n_layers * (attn + ff + 4 * d) + 2 * d + d * v + v
+    got = count_params(cfg)
+    assert got["total"] == want
+    assert got["attention"] == cfg.n_layers * attn
+
+
+@pytest.mark.parametrize("a,b", [
+    ("switchhead-47m", "transformer-47m"), ("switchhead-47m-wt103", "transformer-47m"),
+    ("switchhead-47m", "transformer-47m-2head"), ("switchhead-47m-shared", "transformer-47m"),
+    ("moa-47m", "transformer-47m"), ("switchall-47m", "transformer-47m"),
+    ("switchhead-262m", "transformer-262m"), ("switchhead-262m-wt103", "transformer-262m"),
+    ("switchhead-262m-shared", "transformer-262m"), ("transformer-262m-4head", "transformer-262m"),
+])
+def test_paper_pairs_are_parameter_matched(a, b):
+    pa, pb = count_params(PRESETS[a])["total"], count_params(PRESETS[b])["total"]
+    assert abs(pa - pb) / pb < 0.02, (pa, pb)
+
+
+def test_match_params_solves_d_head_and_d_ff():
+    target = PRESETS["switchhead-47m"]
+    m = match_params(PRESETS["transformer-47m-2head"].replace(d_head=10), target)
+    assert m.d_head == 205
+    m = match_params(PRESETS["transformer-47m"].replace(d_ff=100), target, field="d_ff")
+    assert abs(count_params(m)["total"] - count_params(target)["total"]) <= 2 * m.d_model
+    with pytest.raises(ConfigError):
+        match_params(target, target, field="n_layers")
+
+
+def test_kv_cache_bytes():
+    assert kv_cache_bytes_per_token(PRESETS["switchhead-47m"]) == 2 * 2 * 76 * 16 * 4
+    assert kv_cache_bytes_per_token(PRESETS["moa-47m"], 2) == 2 * PRESETS["moa-47m"].d_head * 16 * 2
+
+
+def test_info_cli():
+    r = CliRunner().invoke(main, ["info", "--config", "transformer-47m"])
+    assert r.exit_code == 0 and "453.43M" in r.output and "paper prints 453.40M" in r.output
+    r = CliRunner().invoke(main, ["info", "--config", "switchhead-47m", "--json"])
+    data = json.loads(r.output)
+    assert data["params"]["total"] == count_params(PRESETS["switchhead-47m"])["total"]
+    r = CliRunner().invoke(main, ["info"])
+    assert r.exit_code == 0 and all(name in r.output for name in PRESETS)
+
+
+def test_info_cli_errors_are_one_line_exit_2(tmp_path):
+    for args in (["info", "--config", "nope"], ["info", "--ckpt", str(tmp_path / "missing")],
+                 ["info", "--config", "tiny-moa", "--ckpt", str(tmp_path)]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 2, r.output
+        assert r.output.strip().startswith("Error:") and len(r.output.strip().splitlines()) == 1

@@ -1,0 +1,198 @@
+"""The model against naive float64 loops over heads, experts and positions (tests/naive.py)."""
+
+import itertools
+
+import naive
+import pytest
+import torch
+
+from switchhead import PRESETS, ModelConfig, TransformerLM
+from switchhead.model.layers import ATTENTION, Block, SigmaMoE, select_topk
+
+TINY = PRESETS["tiny-switchhead"].replace(d_model=24, d_head=8, n_experts=3, k=2, chunk_len=6, n_layers=2,
+                                          vocab_size=37)
+
+
+def _attn(cfg, seed=0):
+    torch.manual_seed(seed)
+    return ATTENTION[cfg.attention](cfg).double()
+
+
+def _check_attention(cfg, t=5, m=4, seed=0):
+    att = _attn(cfg, seed)
+    with torch.no_grad():  # random u/v/scale so the dense baseline's biases are exercised
+        for name in ("u", "v"):
+            if getattr(att, name, None) is not None and isinstance(getattr(att, name), torch.nn.Parameter):
+                getattr(att, name).normal_()
+    x = torch.randn(2, t, cfg.d_model, dtype=torch.float64)
+    mem = torch.randn(2, m, cfg.d_model, dtype=torch.float64) if m else None
+    got = att(x, mem)
+    for b in range(2):
+        want = naive.ATTENTION[cfg.attention](att, x[b], None if mem is None else mem[b])
+        torch.testing.assert_close(got[b], want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("subset", [s for n in range(5) for s in itertools.combinations("vkqo", n)],
+                         ids=lambda s: "".join(s) or "none")
+def test_switchhead_all_projection_subsets_match_naive(subset):
+    _check_attention(TINY.replace(moe_projections=subset), seed=len(subset))
+
+
+@pytest.mark.parametrize("cfg", [
+    TINY,
+    TINY.replace(shared_selection=True),
+    TINY.replace(shared_selection=True, moe_projections=("v", "k", "q", "o")),
+    TINY.replace(n_heads=3, n_experts=5, k=3),
+    TINY.replace(k=1, n_experts=1),
+    TINY.replace(positional="rope"),
+    TINY.replace(positional="rope", mem_chunks=0),
+    TINY.replace(attention="dense", n_heads=3),
+    TINY.replace(attention="dense", positional="rope"),
+    TINY.replace(attention="moa", n_experts=5, n_heads=2, k=2),
+    TINY.replace(attention="moa", n_experts=5, n_heads=3, k=3, moa_gate="sigmoid"),
+    TINY.replace(attention="moa", n_experts=4, n_heads=2, k=2, positional="rope"),
+], ids=lambda c: f"{c.attention}-{c.positional}-H{c.n_heads}E{c.n_experts}k{c.k}-sh{int(c.shared_selection)}")
+@pytest.mark.parametrize("t,m", [(1, 0), (5, 0), (3, 6), (6, 6)])
+def test_attention_matches_naive(cfg, t, m):
+    _check_attention(cfg, t=t, m=m)
+
+
+def test_sigma_moe_matches_naive():
+    cfg = TINY.replace(ff="sigma_moe", ff_n_experts=5, ff_expert_size=7, ff_k=2)
+    torch.manual_seed(0)
+    ff = SigmaMoE(cfg).double().eval()
+    x = torch.randn(3, 4, cfg.d_model, dtype=torch.float64)
+    got = ff(x)
+    for b in range(3):
+        torch.testing.assert_close(got[b], naive.sigma_moe(ff, x[b]), rtol=1e-9, atol=1e-9)
+
+
+def test_sigma_moe_entropy_regulariser():
+    cfg = TINY.replace(ff="sigma_moe", ff_n_experts=4, ff_expert_size=5, ff_k=2, ff_entropy_coef=0.5)
+    ff = SigmaMoE(cfg).double()
+    x = torch.randn(2, 3, cfg.d_model, dtype=torch.float64)
+    ff(x)
+    p = torch.softmax(x.reshape(6, -1) @ ff.sel.detach().T, -1).mean(0)
+    assert torch.allclose(ff.last_aux, 0.5 * (p * p.log()).sum())
+    # Uniform routing is the entropy maximum: the regulariser is then at its minimum, -coef * log(E).
+    with torch.no_grad():
+        ff.sel.zero_()
+    ff(x)
+    assert torch.allclose(ff.last_aux, torch.tensor(-0.5 * torch.log(torch.tensor(4.0)).item(), dtype=torch.float64))
+
+
+def test_lm_aux_loss_reaches_entropy_regulariser():
+    model = TransformerLM(PRESETS["tiny-switchall"])
+    model(torch.randint(0, 512, (2, 8)))
+    aux = model.aux_loss()
+    assert aux.requires_grad and aux.item() < 0
+    assert TransformerLM(PRESETS["tiny-switchhead"]).aux_loss().item() == 0
+
+
+def test_routing_gates_are_sigmoid_values_exactly_k_no_renormalisation():
+    torch.manual_seed(1)
+    x = torch.randn(10, 24)
+    w = torch.randn(3 * 5, 24)
+    idx, gate = select_topk(x, w, n_groups=3, k=2)
+    assert idx.shape == gate.shape == (10, 6)
+    scores = torch.sigmoid(x @ w.T)
+    for n in range(10):
+        for h in range(3):
+            ids = idx[n, h * 2:(h + 1) * 2]
+            assert ((ids >= h * 5) & (ids < (h + 1) * 5)).all(), "a head must only use its own experts"
+            assert len(set(ids.tolist())) == 2
+            torch.testing.assert_close(gate[n, h * 2:(h + 1) * 2], scores[n, ids])
+            assert set(ids.tolist()) == set((scores[n, h * 5:(h + 1) * 5].topk(2).indices + h * 5).tolist())
+    assert not torch.allclose(gate.view(10, 3, 2).sum(-1), torch.ones(10, 3))
+
+
+def test_shared_selection_really_shares():
+    att = ATTENTION["switchhead"](TINY.replace(shared_selection=True))
+    assert att.sel_o is None and att.sel_v is not None
+    x = torch.randn(7, TINY.d_model)
+    assert all(torch.equal(a, b) for a, b in zip(att.route(x, "v"), att.route(x, "o")))
+    separate = ATTENTION["switchhead"](TINY)
+    assert separate.sel_o is not None and separate.sel_o is not separate.sel_v
+    n_shared = sum(p.numel() for p in att.parameters())
+    assert sum(p.numel() for p in separate.parameters()) - n_shared == TINY.n_heads * TINY.n_experts * TINY.d_model
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")])
+def test_lm_matches_naive_over_chunks_with_memory(name):
+    cfg = PRESETS[name].replace(vocab_size=41, chunk_len=5)
+    torch.manual_seed(3)
+    model = TransformerLM(cfg).double().eval()
+    ids = torch.randint(0, 41, (2, 12))  # 5 + 5 + 2: the last chunk is partial
+    got, mem = model(ids)
+    for b in range(2):
+        torch.testing.assert_close(got[b], naive.lm_forward(model, ids[b]), rtol=1e-8, atol=1e-8)
+    # Chunk by chunk with the returned memory is the same computation.
+    first, mem1 = model(ids[:, :5])
+    second, mem2 = model(ids[:, 5:10], mem1)
+    torch.testing.assert_close(torch.cat([first, second], 1), got[:, :10])
+    if cfg.mem_chunks:
+        assert mem1.shape == (cfg.n_layers, 2, 5, cfg.d_model) and not mem1.requires_grad
+    else:
+        assert mem1 is None and mem is None
+
+
+@pytest.mark.parametrize("name", ["tiny-switchhead", "tiny-transformer", "tiny-moa", "tiny-switchhead-rope"])
+def test_causality(name):
+    cfg = PRESETS[name]
+    model = TransformerLM(cfg).double().eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, cfg.chunk_len))
+    _, mem = model(torch.randint(0, cfg.vocab_size, (1, cfg.chunk_len)))
+    for memory in (None, mem):
+        base, _ = model(ids, memory)
+        changed = ids.clone()
+        changed[0, 9:] = (changed[0, 9:] + 1) % cfg.vocab_size
+        other, _ = model(changed, memory)
+        # Float64 so that only a real leak (not matmul batching order) could exceed the tolerance.
+        torch.testing.assert_close(base[:, :9], other[:, :9], rtol=0, atol=1e-12)
+        assert not torch.allclose(base[:, 9:], other[:, 9:])
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")])
+def test_every_parameter_gets_a_gradient(name):
+    cfg = PRESETS[name]
+    model = TransformerLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.chunk_len))
+    _, mem = model(ids)
+    logits, _ = model(ids, mem)  # with memory, so the positional terms over memory are used too
+    (logits.logsumexp(-1).mean() + model.aux_loss()).backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+
+
+def test_paper_init_scales():
+    cfg = PRESETS["tiny-switchhead"].replace(d_model=256, d_head=64, n_layers=8)
+    att = ATTENTION["switchhead"](cfg)
+    ws = (2 / 8) ** 0.5
+    assert abs(att.w_v.std().item() - ws / 256 ** 0.5) < 0.05 * ws / 256 ** 0.5
+    assert abs(att.w_o.std().item() - ws / (2 * 64) ** 0.5) < 0.05 * ws / (2 * 64) ** 0.5
+    assert abs(att.pos.weight.std().item() - ws / 256 ** 0.5) < 0.05 * ws / 256 ** 0.5
+    ff = SigmaMoE(cfg.replace(ff="sigma_moe", ff_n_experts=8, ff_expert_size=32))
+    norms = ff.sel.norm(dim=1)
+    torch.testing.assert_close(norms, norms.mean().expand(8))
+
+
+def test_block_is_pre_ln_with_memory_through_ln1():
+    cfg = TINY
+    torch.manual_seed(0)
+    block = Block(cfg).double().eval()
+    x = torch.randn(1, 4, cfg.d_model, dtype=torch.float64)
+    mem = torch.randn(1, 6, cfg.d_model, dtype=torch.float64)
+    h = block.attn(block.ln1(x), block.ln1(mem)) + x
+    torch.testing.assert_close(block(x, mem), h + block.ff(block.ln2(h)))
+
+
+def test_forward_rejects_bad_memory_and_empty_input():
+    model = TransformerLM(PRESETS["tiny-switchhead"])
+    with pytest.raises(ValueError, match="memory"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 4, 64))
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_config_is_a_model_config():
+    assert isinstance(TINY, ModelConfig)
