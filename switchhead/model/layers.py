@@ -71,12 +71,21 @@ def window_positions(m: int, t: int, device=None) -> tuple[Tensor, Tensor]:
 class AttentionBase(nn.Module):
     """Shared score/softmax/mix step; subclasses define projections and positional terms."""
 
-    record: bool = False  # when True, `last_probs` keeps the attention probabilities [B, H, T, S]
+    # When True, the last forward's attention probabilities [B, H, T, S] are kept in `last_probs` and its expert
+    # choices in `last_routes`: {"v": (experts, gates), "o": (...)} with experts/gates [B, tokens, H, k] (expert
+    # ids local to the head; "v" covers the key window, memory included, "o" the queries).
+    record: bool = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.last_probs: Tensor | None = None
+        self.last_routes: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def _record_route(self, side: str, idx: Tensor, gate: Tensor, b: int, n_groups: int, n_experts: int) -> None:
+        if self.record:
+            local = idx.view(b, -1, n_groups, idx.shape[-1] // n_groups) % n_experts
+            self.last_routes[side] = (local.detach(), gate.view(local.shape).detach())
 
     def forward(self, x_BTD: Tensor, mem_BMD: Tensor | None = None) -> Tensor:
         src = x_BTD if mem_BMD is None else torch.cat([mem_BMD, x_BTD], 1)
@@ -149,15 +158,19 @@ class SwitchHeadAttention(AttentionBase):
             return F.linear(x_ND, w).view(x_ND.shape[0], self.cfg.n_heads, self.cfg.d_head)
         return expert_projection(x_ND[:, None], w, route[0], route[1], self.cfg.n_heads)
 
-    def route(self, x_ND: Tensor, side: str) -> tuple[Tensor, Tensor] | None:
+    def route(self, x_ND: Tensor, side: str, batch: int = 1) -> tuple[Tensor, Tensor] | None:
         """(expert ids, gates) [N, H*k] for the source ('v') or destination ('o') side, or None if dense."""
         w = self.sel_v if side == "v" else self._sel_o
-        return None if w is None else select_topk(x_ND, w, self.cfg.n_heads, self.cfg.k)
+        if w is None:
+            return None
+        idx, gate = select_topk(x_ND, w, self.cfg.n_heads, self.cfg.k)
+        self._record_route(side, idx, gate, batch, self.cfg.n_heads, self.cfg.n_experts)
+        return idx, gate
 
     def kv(self, src_BSD: Tensor) -> tuple[Tensor, Tensor]:
         b, s, _ = src_BSD.shape
         x = src_BSD.reshape(b * s, -1)
-        route = self.route(x, "v")
+        route = self.route(x, "v", b)
         k = self._project("k", x, route if self.cfg.is_moe("k") else None) * self.scale
         v = self._project("v", x, route if self.cfg.is_moe("v") else None)
         return k.view(b, s, *k.shape[1:]), v.view(b, s, *v.shape[1:])
@@ -165,7 +178,7 @@ class SwitchHeadAttention(AttentionBase):
     def attend(self, x_BTD, k, v, pos_q, pos_k, valid=None):
         b, t, d = x_BTD.shape
         x = x_BTD.reshape(b * t, d)
-        route = self.route(x, "o")
+        route = self.route(x, "o", b)
         q = self._project("q", x, route if self.cfg.is_moe("q") else None) * self.scale
         q = q.view(b, t, *q.shape[1:])
         a = self.mix(q, k, v, pos_q, pos_k, valid).reshape(b * t, -1, self.cfg.d_head)
@@ -238,6 +251,7 @@ class MoAAttention(AttentionBase):
         logits = F.linear(wide(x), wide(self.sel))
         top, idx = logits.topk(self.cfg.k, dim=-1, sorted=False)
         gate = top.softmax(-1) if self.cfg.moa_gate == "softmax" else top.sigmoid()
+        self._record_route("o", idx, gate, b, 1, self.cfg.n_experts)
         q = expert_projection(x[:, None], self.w_q, idx, None, self.cfg.k) * self.scale
         a = self.mix(q.view(b, t, self.cfg.k, -1), k, v, pos_q, pos_k, valid)
         return expert_projection(a.reshape(b * t, self.cfg.k, -1), self.w_o, idx, gate, 1).view(b, t, d)

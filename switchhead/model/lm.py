@@ -76,7 +76,9 @@ class TransformerLM(nn.Module):
         return torch.stack(terms).sum() if terms else self.out.bias.new_zeros(())
 
     def record_attention(self, on: bool = True) -> None:
-        """Keep each layer's attention probabilities of the next forwards in `block.attn.last_probs`."""
+        """Keep each layer's attention probabilities and expert choices of the next forward in
+        `block.attn.last_probs` / `block.attn.last_routes` (see `AttentionBase`)."""
         for block in self.blocks:
             block.attn.record = on
             block.attn.last_probs = None
+            block.attn.last_routes = {}
