@@ -196,3 +196,13 @@ def test_forward_rejects_bad_memory_and_empty_input():
 
 def test_config_is_a_model_config():
     assert isinstance(TINY, ModelConfig)
+
+
+def test_relative_position_table_memo_is_never_stale():
+    att = ATTENTION["switchhead"](TINY)
+    with torch.no_grad():
+        first = att.rel_pos(6)
+        assert att.rel_pos(6) is first  # memoised in inference
+        att.pos.weight.mul_(2)
+        torch.testing.assert_close(att.rel_pos(6), 2 * first)
+    assert att.rel_pos(6).requires_grad  # training: always recomputed, differentiable

@@ -92,11 +92,24 @@ class AttentionBase(nn.Module):
         k, v = self.kv(src)
         return self.attend(x_BTD, k, v, *window_positions(src.shape[1] - x_BTD.shape[1], x_BTD.shape[1], x_BTD.device))
 
+    pos_scale: float = 1.0
+
     def rel_pos(self, n: int, device=None) -> Tensor:
-        """Projected relative-position embeddings of distances 0..n-1: [n, G, dh] (XL only)."""
+        """Projected relative-position embeddings of distances 0..n-1: [n, G, dh] (XL only).
+
+        In inference the table is memoised: cached decoding asks for the same 2T distances at every step, and
+        recomputing them ([2T, d] x [d, G*dh] per layer) would cost more than the rest of the step. The key
+        includes the weight's version counter, so an in-place update is never served stale."""
         w = self.pos.weight
+        memoise = not (torch.is_grad_enabled() and w.requires_grad) and not torch.compiler.is_compiling()
+        key = (n, str(device), w.dtype, w.data_ptr(), w._version) if memoise else None
+        if key is not None and key == getattr(self, "_rel_pos_key", None):
+            return self._rel_pos_value
         r = self.pos(sinusoids(n, self.cfg.d_model, device, wide(w).dtype).to(w.dtype))
-        return r.view(n, -1, self.cfg.d_head)
+        r = r.view(n, -1, self.cfg.d_head) * self.pos_scale
+        if key is not None:
+            self._rel_pos_key, self._rel_pos_value = key, r
+        return r
 
     def mix(self, q_BTHd: Tensor, k_BSGd: Tensor, v_BSGd: Tensor, pos_q: Tensor, pos_k: Tensor,
             valid: Tensor | None, scale: Tensor | float = 1.0, q_pos_BTHd: Tensor | None = None) -> Tensor:
@@ -146,7 +159,7 @@ class SwitchHeadAttention(AttentionBase):
         self.pos = nn.Linear(d, h * dh, bias=False) if cfg.positional == "xl" else None
         if self.pos is not None:
             init_(self.pos.weight, d, n)
-        self.scale = dh ** -0.25
+        self.scale = self.pos_scale = dh ** -0.25
 
     @property
     def _sel_o(self) -> Tensor | None:
@@ -188,8 +201,6 @@ class SwitchHeadAttention(AttentionBase):
             y = F.linear(a.flatten(1), self.w_o)
         return y.view(b, t, d)
 
-    def rel_pos(self, n, device=None):
-        return super().rel_pos(n, device) * self.scale
 
 
 class DenseXLAttention(AttentionBase):
@@ -238,7 +249,7 @@ class MoAAttention(AttentionBase):
         self.pos = nn.Linear(d, dh, bias=False) if cfg.positional == "xl" else None
         if self.pos is not None:
             init_(self.pos.weight, d, n)
-        self.scale = dh ** -0.25
+        self.scale = self.pos_scale = dh ** -0.25
 
     def kv(self, src_BSD):
         b, s, _ = src_BSD.shape
@@ -256,8 +267,6 @@ class MoAAttention(AttentionBase):
         a = self.mix(q.view(b, t, self.cfg.k, -1), k, v, pos_q, pos_k, valid)
         return expert_projection(a.reshape(b * t, self.cfg.k, -1), self.w_o, idx, gate, 1).view(b, t, d)
 
-    def rel_pos(self, n, device=None):
-        return super().rel_pos(n, device) * self.scale
 
 
 class DenseFF(nn.Module):
