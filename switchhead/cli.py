@@ -200,5 +200,55 @@ def generate(prompt, ckpt, max_new_tokens, temperature, top_k, top_p, min_p, rep
         click.echo(text, nl=False)
         sys.stdout.flush()
 
-    run_generate(prompt, ckpt, params, prompts_file, as_json, device, batch_size, write,
-                 stdin=click.get_text_stream("stdin"))
+    run_generate(prompt, ckpt, params, prompts_file, as_json, device, batch_size, write)
+
+
+@main.command("eval")
+@click.option("--tasks", required=True, help="Comma-separated: lambada, blimp, cbt.")
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory.")
+@click.option("--onnx", type=click.Path(), help="ONNX export directory (instead of --ckpt).")
+@click.option("--data-dir", type=click.Path(), help="Local data (lambada/, blimp/, cbt/ in their original formats; "
+              "see docs/EVAL.md). Default: the Hugging Face hub, when reachable.")
+@click.option("--limit", type=int, help="Evaluate only the first N examples of each task (or paradigm).")
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Sequences per forward pass.")
+@click.option("--output", type=click.Path(), help="Write lm-eval's results JSON here.")
+@click.option("--device", help="cpu, cuda, ...; default cpu.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, no_progress):
+    """Zero-shot evaluation through lm-eval: LAMBADA (acc, perplexity), BLiMP (mean acc over the 67
+    paradigms, and each paradigm), CBT (per-token-normalised acc and lm-eval's acc, mean over CN/NE/P/V)."""
+    from switchhead.evals.run import evaluate, format_table, parse_tasks
+
+    names = parse_tasks(tasks)
+    if (ckpt is None) == (onnx is None):
+        raise SwitchheadError("give exactly one of --ckpt DIR or --onnx DIR")
+    results = evaluate(names, ckpt=ckpt, onnx=onnx, data_dir=data_dir, limit=limit, batch_size=batch_size,
+                       output=output, progress=not no_progress, device=device)
+    click.echo(format_table(results))
+    if output:
+        click.echo(f"results written to {output}", err=True)
+
+
+@main.command()
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (with tokenizer.model).")
+@click.option("--text", help="Text to inspect.")
+@click.option("--text-file", type=click.Path(), help="Read the text from this UTF-8 file.")
+@click.option("--out", required=True, type=click.Path(), help="Directory for the PNGs and index.html.")
+@click.option("--layers", help="Comma-separated layer indices (default: all).")
+@click.option("--heads", help="Comma-separated head indices for the per-head figures (default: all).")
+@click.option("--window", type=int, default=64, show_default=True,
+              help="Query tokens per figure (and twice as many key columns), to keep labels readable.")
+@click.option("--json", "as_json", is_flag=True, help="Also write the raw numbers to OUT/attention.json.")
+def inspect(ckpt, text, text_file, out, layers, heads, window, as_json):
+    """Attention maps and expert selections of a model on a text (the paper's analysis figures).
+
+    Writes per layer the max-over-heads map, per head the map with its O (queries) and V (keys)
+    selection-score strips, per layer an expert-usage histogram, and OUT/index.html showing them all."""
+    from switchhead.analysis import run_inspect
+
+    r = run_inspect(ckpt, text, text_file, out, layers, heads, as_json, window)
+    click.echo(f"{r.n_tokens} tokens in {r.n_chunks} chunk(s), layers {r.layers}, heads {r.heads}: "
+               f"{len(r.figures)} figures (at most {r.window} query tokens each)")
+    if r.json_path is not None:
+        click.echo(f"raw numbers: {r.json_path}")
+    click.echo(f"open {r.index}")

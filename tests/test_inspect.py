@@ -1,0 +1,275 @@
+"""`switchhead inspect`: recorded attention against an independent float64 computation, recorded expert choices
+against a recomputation from the LN1 inputs (and against the layer output they produced), and the command's
+figures, index.html, --json and errors."""
+
+import html
+import json
+import math
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from switchhead import PRESETS, TransformerLM, save
+from switchhead.cli import main
+from switchhead.analysis import collect, head_selection, selection_scores, windows
+from switchhead.model.tokenizer import train_tokenizer
+
+SMALL = PRESETS["tiny-switchhead"].replace(d_model=32, d_head=8, n_experts=4, k=2, chunk_len=6, n_layers=2,
+                                           vocab_size=41)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg).eval()
+    with torch.no_grad():  # the dense baseline's u/v biases start at 0: randomise them so they are exercised
+        for block in model.blocks:
+            for name in ("u", "v"):
+                p = getattr(block.attn, name, None)
+                if isinstance(p, torch.nn.Parameter):
+                    p.normal_()
+            if isinstance(getattr(block.attn, "scale", None), torch.nn.Parameter):
+                block.attn.scale.fill_(0.7)
+    return model
+
+
+def _layer_inputs(model, ids, chunk_len):
+    """Per chunk, the inputs of every layer [L, T, d] (the memory the model returns holds exactly these)."""
+    out, memory = [], None
+    with torch.no_grad():
+        for start in range(0, len(ids), chunk_len):
+            _, memory = model(torch.tensor([ids[start:start + chunk_len]]), memory)
+            out.append(memory[:, 0].double())
+    return out
+
+
+def _ln(x, ln):
+    x = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + ln.eps)
+    return x * ln.weight.double() + ln.bias.double()
+
+
+def _sinusoid(dist, d):
+    freqs = [1.0 / 10000 ** (2 * i / d) for i in range(d // 2)]
+    return torch.tensor([math.sin(dist * f) for f in freqs] + [math.cos(dist * f) for f in freqs],
+                        dtype=torch.float64)
+
+
+def _rope(vec, pos):
+    rot = vec.shape[0] // 2
+    half = rot // 2
+    out = vec.clone()
+    for i in range(half):
+        angle = pos / 10000 ** (2 * i / rot)
+        a, b = vec[i], vec[i + half]
+        out[i] = a * math.cos(angle) - b * math.sin(angle)
+        out[i + half] = b * math.cos(angle) + a * math.sin(angle)
+    return out
+
+
+def _manual_probs(attn, cfg, src, m):
+    """softmax over visible keys of q.k (+ positional term) in float64, one query/key/head at a time."""
+    h_n, dh = cfg.n_heads, cfg.d_head
+    w = {n: p.detach().double() for n, p in attn.named_parameters()}
+    dense = cfg.attention == "dense"
+    qk_scale = 1.0 if dense else dh ** -0.25
+    t_n, s_n = src.shape[0] - m, src.shape[0]
+    probs = torch.zeros(h_n, t_n, s_n, dtype=torch.float64)
+    for h in range(h_n):
+        rows = slice(h * dh, (h + 1) * dh)
+        for t in range(t_n):
+            qpos = m + t
+            q = w["w_q"][rows] @ src[qpos] * qk_scale
+            logits = []
+            for s in range(qpos + 1):
+                k = w["w_k"][rows] @ src[s] * qk_scale
+                qc = q + w["u"][h] if dense else q
+                if cfg.positional == "rope":
+                    score = float(_rope(qc, qpos) @ _rope(k, s))
+                else:
+                    r = w["pos.weight"][rows] @ _sinusoid(qpos - s, cfg.d_model) * qk_scale
+                    score = float(qc @ k) + float(((q + w["v"][h]) if dense else q) @ r)
+                logits.append(score * (float(w["scale"]) if dense else 1.0))
+            top = max(logits)
+            ex = [math.exp(v - top) for v in logits]
+            probs[h, t, :qpos + 1] = torch.tensor(ex) / sum(ex)
+    return probs
+
+
+@pytest.mark.parametrize("cfg", [SMALL, SMALL.replace(positional="rope"),
+                                 SMALL.replace(attention="dense", n_heads=3)],
+                         ids=["switchhead-xl", "switchhead-rope", "dense-xl"])
+def test_recorded_attention_matches_float64_computation(cfg):
+    model = _model(cfg)
+    ids = random.Random(0).choices(range(cfg.vocab_size), k=14)  # chunks of 6, 6, 2 tokens
+    chunks = collect(model, ids)
+    inputs = _layer_inputs(model, ids, cfg.chunk_len)
+    assert [c.memory for c in chunks] == [0, 6, 6] and [c.n_tokens for c in chunks] == [6, 6, 2]
+    for c, chunk in enumerate(chunks):
+        for i, block in enumerate(model.blocks):
+            probs = chunk.layers[i].probs
+            assert probs.shape == (cfg.n_heads, chunk.n_tokens, chunk.memory + chunk.n_tokens)
+            np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=0, atol=1e-5)
+            with torch.no_grad():
+                h = _ln(inputs[c][i], block.ln1)
+                src = h if c == 0 else torch.cat([_ln(inputs[c - 1][i], block.ln1), h])
+                want = _manual_probs(block.attn, cfg, src, chunk.memory)
+            np.testing.assert_allclose(probs, want.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_selections_are_those_the_forward_used():
+    cfg = SMALL
+    model = _model(cfg, seed=1)
+    ids = random.Random(1).choices(range(cfg.vocab_size), k=12)
+    chunks = collect(model, ids)
+    inputs = _layer_inputs(model, ids, cfg.chunk_len)
+    h_n, e_n, k = cfg.n_heads, cfg.n_experts, cfg.k
+    for c, chunk in enumerate(chunks):
+        for i, block in enumerate(model.blocks):
+            att = block.attn
+            trace = chunk.layers[i]
+            with torch.no_grad():
+                h = _ln(inputs[c][i], block.ln1)
+                src = h if c == 0 else torch.cat([_ln(inputs[c - 1][i], block.ln1), h])
+                for side, x, sel in (("v", src, att.sel_v), ("o", h, att.sel_o)):
+                    scores = torch.sigmoid(x @ sel.double().T).view(x.shape[0], h_n, e_n)
+                    experts, gates = getattr(trace, side)
+                    assert experts.shape == (x.shape[0], h_n, k)
+                    top = scores.topk(k, -1).indices.sort(-1).values
+                    np.testing.assert_array_equal(np.sort(experts, -1), top.numpy())
+                    np.testing.assert_allclose(gates, scores.gather(-1, torch.from_numpy(experts).long()).numpy(),
+                                               rtol=1e-5)
+            if i == 0:
+                # The recorded maps and choices must rebuild the layer's output: x + attn, then the FF residual,
+                # equals the next layer's input.
+                w_v, w_o = att.w_v.detach().double(), att.w_o.detach().double()
+                y = torch.zeros_like(h)
+                for hd in range(h_n):
+                    ve, vg = head_selection(cfg, trace, "v", hd)
+                    oe, og = head_selection(cfg, trace, "o", hd)
+                    vals = torch.stack([sum(float(vg[s, j]) * src[s] @ w_v[hd * e_n + int(ve[s, j])]
+                                            for j in range(k)) for s in range(src.shape[0])])
+                    a = torch.from_numpy(trace.probs[hd]).double() @ vals
+                    y += torch.stack([sum(float(og[t, j]) * a[t] @ w_o[hd * e_n + int(oe[t, j])] for j in range(k))
+                                      for t in range(h.shape[0])])
+                x1 = inputs[c][0] + y
+                with torch.no_grad():
+                    x2 = x1 + block.ff(block.ln2(x1.float())).double()
+                torch.testing.assert_close(x2, inputs[c][1], rtol=1e-4, atol=1e-4)
+
+
+def test_moa_records_one_map_per_selected_slot():
+    cfg = SMALL.replace(attention="moa", n_experts=5, n_heads=2, k=2)
+    model = _model(cfg, seed=2)
+    chunks = collect(model, list(range(8)), layers=[1])
+    trace = chunks[1].layers[1]
+    assert set(chunks[1].layers) == {1} and trace.v is None
+    assert trace.probs.shape == (2, 2, 8) and trace.o[0].shape == (2, 1, 2)
+    inputs = _layer_inputs(model, list(range(8)), cfg.chunk_len)
+    with torch.no_grad():
+        logits = _ln(inputs[1][1], model.blocks[1].ln1) @ model.blocks[1].attn.sel.double().T
+    for slot in range(2):
+        experts, gates = head_selection(cfg, trace, "o", slot)
+        chosen = logits.gather(-1, torch.from_numpy(trace.o[0][:, 0]).long())
+        np.testing.assert_array_equal(experts[:, 0], trace.o[0][:, 0, slot])
+        np.testing.assert_allclose(gates[:, 0], chosen.softmax(-1)[:, slot].numpy(), rtol=1e-5)
+
+
+def test_windows_and_scores():
+    chunk = collect(_model(SMALL), list(range(10)))[1]  # 4 tokens after 6 memory columns
+    assert [(w.q0, w.q1, w.k0, w.k1) for w in windows(chunk, 3)] == [(0, 3, 3, 9), (3, 4, 4, 10)]
+    assert [(w.q0, w.q1, w.k0, w.k1) for w in windows(chunk, 64)] == [(0, 4, 0, 10)]
+    s = selection_scores(np.array([[2, 0]]), np.array([[0.9, 0.6]]), 4)
+    np.testing.assert_allclose(s, [[0.6, 0, 0.9, 0]])
+
+
+# ------------------------------------------------------------------------------------------------ command
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inspect")
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over lazy dogs while birds sing in trees costs $5 a_b".split()
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choice(words) for _ in range(10)) for _ in range(300)))
+    sp = train_tokenizer([corpus], vocab_size=320)
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size(), chunk_len=8))
+    save(root / "ckpt", model, sp)
+    save(root / "no-tokenizer", model)
+    return root
+
+
+TEXT = "the quick brown fox jumps over the lazy dogs, costs $5 a_b"
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["inspect", *map(str, args)])
+
+
+def test_command_writes_figures_index_and_json(ckpt, tmp_path):
+    out = tmp_path / "report"
+    r = _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", out, "--layers", "1", "--heads", "0", "--json")
+    assert r.exit_code == 0, r.output
+    pngs = sorted(out.glob("*.png"))
+    data = json.loads((out / "attention.json").read_text())
+    n_chunks = len(data["chunks"])
+    assert n_chunks >= 2, "the text must span several chunks to exercise the memory columns"
+    # One usage histogram, then per chunk (one window each at the default window) the max map and head 0.
+    assert len(pngs) == 1 + 2 * n_chunks
+    for png in pngs:
+        blob = png.read_bytes()
+        assert blob[:8] == PNG_MAGIC and len(blob) > 2000, png.name
+    index = (out / "index.html").read_text()
+    assert set(re.findall(r'src="([^"]+\.png)"', index)) == {p.name for p in pngs}
+    assert all(html.escape(p) in index for p in json.loads((out / "attention.json").read_text())["tokens"])
+
+    assert data["layers"] == [1] and data["heads"] == [0] and data["config"]["chunk_len"] == 8
+    assert len(data["tokens"]) == len(data["ids"]) == sum(c["n_tokens"] for c in data["chunks"])
+    assert [c["memory"] for c in data["chunks"]] == [0] + [8] * (n_chunks - 1)
+    e_n = data["config"]["n_experts"]
+    for chunk in data["chunks"]:
+        t, s = chunk["n_tokens"], chunk["memory"] + chunk["n_tokens"]
+        (layer,) = chunk["layers"]
+        (head,) = layer["heads"]
+        att = np.array(head["attention"])
+        assert layer["layer"] == 1 and head["head"] == 0 and att.shape == (t, s)
+        np.testing.assert_allclose(att.sum(-1), 1.0, atol=1e-4)
+        assert np.array(head["v"]["experts"]).shape == (s, 2) and np.array(head["o"]["gates"]).shape == (t, 2)
+        gates = np.array(head["o"]["gates"] + head["v"]["gates"])
+        assert ((gates > 0) & (gates < 1)).all()
+        assert 0 <= np.min(head["v"]["experts"]) and np.max(head["o"]["experts"]) < e_n
+    assert data["chunks"][1]["layers"][0]["heads"][0]["attention"][0][0] > 0  # memory column is attended
+    usage = data["usage"]["1"]
+    assert np.array(usage["o"]).sum() == len(data["ids"]) * 2 * 2  # tokens x heads x k
+    assert np.array(usage["v"]).sum() == len(data["ids"]) * 2 * 2  # memory columns are not counted twice
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--text", "x"], "pass --ckpt"),
+    (["--ckpt", "{root}/missing", "--text", "x"], "not found"),
+    (["--ckpt", "{root}/no-tokenizer", "--text", "x"], "no tokenizer"),
+    (["--ckpt", "{root}/ckpt", "--text", "  \n"], "empty"),
+    (["--ckpt", "{root}/ckpt", "--text-file", "{root}/nope.txt"], "cannot read"),
+    (["--ckpt", "{root}/ckpt", "--text", "x", "--text-file", "{root}/corpus.txt"], "exactly one"),
+    (["--ckpt", "{root}/ckpt"], "exactly one"),
+    (["--ckpt", "{root}/ckpt", "--text", "x", "--layers", "0,2"], "layer 2 out of range"),
+    (["--ckpt", "{root}/ckpt", "--text", "x", "--heads", "-1"], "head -1 out of range"),
+    (["--ckpt", "{root}/ckpt", "--text", "x", "--layers", "a,b"], "comma-separated"),
+    (["--ckpt", "{root}/ckpt", "--text", "x", "--window", "0"], "window"),
+], ids=["no-ckpt", "missing-ckpt", "no-tokenizer", "empty-text", "missing-file", "both-texts", "no-text",
+        "layer-range", "head-range", "bad-list", "bad-window"])
+def test_bad_input_is_one_line_exit_2(ckpt, tmp_path, args, message):
+    r = _run(*[a.format(root=ckpt) for a in args], "--out", tmp_path / "out")
+    assert r.exit_code == 2, r.output
+    assert message in r.output and r.output.startswith("Error:") and r.output.count("\n") == 1, r.output
+
+
+def test_output_path_that_is_a_file(ckpt, tmp_path):
+    target = tmp_path / "file.txt"
+    target.write_text("keep me")
+    r = _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", target)
+    assert r.exit_code == 2 and "not a directory" in r.output and r.output.count("\n") == 1, r.output
+    assert target.read_text() == "keep me"
