@@ -67,10 +67,14 @@ def attention_memory(config: ModelConfig) -> int:
     return h * (4 * t * dh + 2 * c * t * t + 2 * c * t * dh)
 
 
+def kv_heads(config: ModelConfig) -> int:
+    """Key/value heads per layer: MoA shares one K/V head among its query experts."""
+    return 1 if config.attention == "moa" else config.n_heads
+
+
 def kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:
-    """Generation cache per token, all layers: K and V after projection (MoA shares one K/V head)."""
-    heads = 1 if config.attention == "moa" else config.n_heads
-    return 2 * heads * config.d_head * config.n_layers * bytes_per_element
+    """Generation cache per token, all layers: K and V after projection."""
+    return 2 * kv_heads(config) * config.d_head * config.n_layers * bytes_per_element
 
 
 def xl_memory_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:

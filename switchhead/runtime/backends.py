@@ -1,0 +1,57 @@
+"""Backends: the only part of generation that differs between PyTorch and (later) ONNX Runtime.
+
+A backend turns token ids plus the cache into logits. Everything else -- cache bookkeeping (positions, chunk
+roll-over, validity), sampling, stopping, detokenisation and batching -- lives in shared code
+(`cache`, `sampling`, `engine`) and is reused unchanged.
+
+Contract of ``Backend.forward(ids, cache)``, called after ``cache.begin`` and before ``cache.commit``:
+
+- ``ids`` [B, t] int64; ``cache.plan`` says which of the t slots per row are real (``new_mask``).
+- For every layer i, compute this step's K/V and store them with ``cache.write(i, k, v)`` (layout
+  [B, heads, t, d_head]); attend over ``cache.window(i)`` ([B, heads, 2T, d_head]) with
+  ``plan.pos_q`` / ``plan.pos_k`` / ``plan.valid``. A graph that instead attends over
+  ``concat(past_key_values.i, new)`` gets the past from ``cache.window(i)`` before writing, uses
+  ``plan.past_valid`` for the past part and ``plan.new_mask`` plus causality for the new part, and returns
+  ``present.i`` = the new K/V, which the backend then passes to ``cache.write``.
+- Return logits [B, t, vocab] (float32 or wider).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from switchhead.model.config import ModelConfig
+from switchhead.model.lm import TransformerLM
+from switchhead.runtime.cache import XLCache
+
+
+class Backend(ABC):
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+    def new_cache(self, batch: int) -> XLCache:
+        return XLCache(self.config, batch, dtype=self.dtype, device=self.device)
+
+    @abstractmethod
+    def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
+        """Logits [B, t, vocab] of a planned step (see the module docstring)."""
+
+
+class TorchBackend(Backend):
+    """Runs `TransformerLM.decode` (the same block code as training) against the cache."""
+
+    def __init__(self, model: TransformerLM):
+        self.model = model.eval()
+        self.config = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @torch.inference_mode()
+    def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
+        # The model memoises its relative-position tables in inference, so every step after the first
+        # reuses them.
+        return self.model.decode(ids.to(self.device), cache)

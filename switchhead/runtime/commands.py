@@ -1,0 +1,100 @@
+"""What `switchhead generate` does, kept out of cli.py so the command itself stays a thin argument parser."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from switchhead.errors import SwitchheadError
+from switchhead.runtime.backends import TorchBackend
+from switchhead.runtime.engine import Generator
+from switchhead.runtime.sampling import SamplingParams
+
+
+def resolve_device(device: str | None) -> torch.device:
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError as e:
+        raise SwitchheadError(f"unknown device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SwitchheadError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def load_generator(ckpt: str | None, device: str | None = None) -> Generator:
+    from switchhead.model.checkpoint import load
+
+    if not ckpt:
+        raise SwitchheadError("no model given: pass --ckpt DIR (there is no built-in default model yet)")
+    model, tokenizer = load(ckpt, device=resolve_device(device))
+    if tokenizer is None:
+        raise SwitchheadError(f"checkpoint {ckpt} has no tokenizer.model; generation needs one to read text")
+    return Generator(TorchBackend(model), tokenizer)
+
+
+def read_prompts_file(path: str | Path) -> list[str]:
+    """Prompts of a file: one per non-blank line, or JSONL objects with a "prompt" field (decided by whether
+    the first non-blank line is a JSON object)."""
+    path = Path(path)
+    try:
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise SwitchheadError(f"cannot read prompts file {path}: {e}") from None
+    if not lines:
+        raise SwitchheadError(f"prompts file {path} has no prompts")
+    if not _is_json_object(lines[0]):
+        return lines
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SwitchheadError(f"{path}: line {n} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise SwitchheadError(f"{path}: line {n} needs a string \"prompt\" field")
+        prompts.append(obj["prompt"])
+    return prompts
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, prompts_file: str | None,
+                 as_json: bool, device: str | None, batch_size: int, write: Callable[[str], None],
+                 stdin=None) -> None:
+    """Validate everything that can be checked cheaply before loading the model, then generate."""
+    if batch_size < 1:
+        raise SwitchheadError(f"batch-size must be >= 1, got {batch_size}")
+    if prompt is not None and prompts_file:
+        raise SwitchheadError("give a PROMPT or --prompts-file, not both")
+    prompts = read_prompts_file(prompts_file) if prompts_file else None
+    if prompts is None and prompt is None:
+        text = (stdin or sys.stdin).read()
+        prompt = text[:-1] if text.endswith("\n") else text
+    gen = load_generator(ckpt, device)
+    if prompts is not None:
+        for p in prompts:  # fail before spending time on the earlier batches
+            gen.encode(p)
+        # Seeds follow the line number, so results do not depend on --batch-size.
+        base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start:start + batch_size]
+            seeds = [base + start + i for i in range(len(batch))]
+            for r in gen.generate(batch, params, seeds=seeds):
+                write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
+        return
+    if as_json:
+        (r,) = gen.generate([prompt], params)
+        write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
+        return
+    gen.generate([prompt], params, on_text=lambda _, piece: write(piece))
+    write("\n")

@@ -1,0 +1,259 @@
+"""Generation loop shared by every backend: chunk-aware prefill, decoding, stopping, streaming text, batching."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from switchhead.errors import SwitchheadError
+from switchhead.runtime.backends import Backend
+from switchhead.runtime.cache import XLCache
+from switchhead.runtime.sampling import SamplingParams, choose
+
+# Tokens of context kept in front of new ids when detokenising incrementally: enough that the first new piece
+# keeps its leading space (SentencePiece drops a leading '▁' at the start of a decode) and that byte-fallback
+# pieces of one character are decoded together.
+_DETOK_CONTEXT = 4
+
+
+def feed(backend: Backend, cache: XLCache, rows: Sequence[Sequence[int]], step: int | None = None,
+         keep: str = "last") -> list[Tensor | None]:
+    """Run every row's tokens through the cache; steps never cross a row's chunk boundary.
+
+    `step` caps the tokens per step (default: the chunk length). Returns per row the logits of its last token
+    ([V], keep="last") or of all its tokens ([n, V], keep="all"); None for rows given no tokens.
+    """
+    if len(rows) != cache.batch:
+        raise SwitchheadError(f"feed got {len(rows)} rows for a cache of batch {cache.batch}")
+    step = cache.T if step is None else step
+    if step < 1:
+        raise SwitchheadError(f"step must be >= 1, got {step}")
+    done = [0] * len(rows)
+    out: list[list[Tensor]] = [[] for _ in rows]
+    while any(done[b] < len(r) for b, r in enumerate(rows)):
+        room = cache.room().tolist()
+        counts = [min(len(r) - done[b], room[b], step) for b, r in enumerate(rows)]
+        t = max(counts)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        for b, r in enumerate(rows):
+            if counts[b]:
+                ids[b, :counts[b]] = torch.as_tensor(r[done[b]:done[b] + counts[b]], dtype=torch.long)
+        cache.begin(counts, t)
+        logits = backend.forward(ids.to(cache.device), cache)
+        cache.commit()
+        for b, n in enumerate(counts):
+            if n:
+                out[b].append(logits[b, :n] if keep == "all" else logits[b, n - 1:n])
+                done[b] += n
+    return [(torch.cat(o) if keep == "all" else o[-1][0]) if o else None for o in out]
+
+
+class Detokenizer:
+    """Incremental SentencePiece decoding: `push` a token id, get the text it completes (maybe '').
+
+    Text is only released once it is stable: the decode of the recent ids must extend what was already
+    released and must not end in U+FFFD (an unfinished multi-byte character from byte-fallback pieces)."""
+
+    def __init__(self, sp, context: Sequence[int] = ()):
+        self.sp = sp
+        self.ids = list(context[-_DETOK_CONTEXT:])
+        self.prefix = 0  # decoding starts here (context in front keeps spaces right)
+        self.read = len(self.ids)  # ids before this are already released
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        before = self.sp.decode(self.ids[self.prefix:self.read])
+        now = self.sp.decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or not now.startswith(before) or (now.endswith("\ufffd") and not final):
+            return ""
+        self.prefix = max(self.read, len(self.ids) - _DETOK_CONTEXT)
+        self.read = len(self.ids)
+        return now[len(before):]
+
+
+class StopText:
+    """Accumulates generated text, cuts it at the first stop string, and releases only text that can no
+    longer turn out to be the start of a stop string."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.released = 0
+        self.stopped = False
+
+    def add(self, piece: str) -> str:
+        if self.stopped or not piece:
+            return ""
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+            return self._release(len(self.text))
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:n]):
+                    hold = n
+                    break
+        return self._release(len(self.text) - hold)
+
+    def finish(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.released:end]
+        self.released = max(self.released, end)
+        return out
+
+
+@dataclass
+class Generation:
+    prompt: str
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str = "length"
+    seed: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt": self.prompt, "text": self.text, "tokens": len(self.tokens), "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason, "seed": self.seed,
+            "prefill_tokens_per_s": _rate(self.prompt_tokens, self.prefill_s),
+            "decode_tokens_per_s": _rate(len(self.tokens), self.decode_s),
+        }
+
+
+def _rate(n: int, s: float) -> float | None:
+    return round(n / s, 2) if s > 0 else None
+
+
+def _banned_ids(sp, eos: int, vocab: int) -> Tensor | None:
+    """Ids that are never sampled: UNK (it decodes to ' ⁇ ', not text) and control pieces other than EOS."""
+    if sp is None:
+        return None
+    ids = [i for i in range(min(vocab, sp.get_piece_size()))
+           if sp.is_unknown(i) or (sp.is_control(i) and i != eos)]
+    if not ids:
+        return None
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids] = True
+    return mask
+
+
+class Generator:
+    """Text in, text out, over any `Backend` and a SentencePiece tokenizer.
+
+    Prompts are primed with the tokenizer's EOS id when it has one: in training streams EOS separates
+    documents, so a prompt then starts the way every training document does.
+    """
+
+    def __init__(self, backend: Backend, tokenizer, prime_eos: bool = True, prefill_step: int | None = None):
+        self.backend, self.sp = backend, tokenizer
+        self.eos = tokenizer.eos_id() if tokenizer is not None else -1
+        self.prime = [self.eos] if prime_eos and self.eos >= 0 else []
+        self.prefill_step = prefill_step
+        self.banned = _banned_ids(tokenizer, self.eos, backend.config.vocab_size)
+        self._warm = False
+
+    def warmup(self) -> None:
+        """One throwaway step, so one-time costs (lazy imports, op registration, allocator growth) do not
+        land in the first request's prefill timing."""
+        if not self._warm:
+            feed(self.backend, self.backend.new_cache(1), [[max(self.eos, 0)]])
+            self._warm = True
+
+    def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SwitchheadError("empty prompt: give some text to continue")
+        ids = self.sp.encode(prompt)
+        if not ids:
+            raise SwitchheadError("the prompt encodes to no tokens")
+        return ids
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams, seeds: Sequence[int] | None = None,
+                 on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
+        """Generate for a batch of prompts at once. Row i samples with ``seeds[i]`` (default: params.seed, or
+        a random seed); its result does not depend on the other rows. `on_text(i, text)` streams text."""
+        if not prompts:
+            return []
+        encoded = [self.encode(p) for p in prompts]
+        if seeds is None:
+            base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+            seeds = [base] * len(prompts)
+        results = [Generation(p, prompt_tokens=len(ids), seed=int(s)) for p, ids, s in zip(prompts, encoded, seeds)]
+        return self._run(encoded, params, results, on_text)
+
+    def _run(self, encoded, params, results, on_text):
+        B, V = len(encoded), self.backend.config.vocab_size
+        self.warmup()
+        cache = self.backend.new_cache(B)
+        gens = [torch.Generator().manual_seed(r.seed) for r in results]
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(B, V, dtype=torch.bool)
+            for b, ids in enumerate(encoded):
+                seen[b, torch.as_tensor(ids)] = True
+        t0 = time.perf_counter()
+        last = torch.stack(feed(self.backend, cache, [self.prime + ids for ids in encoded], self.prefill_step))
+        prefill_s = time.perf_counter() - t0
+        detoks = [Detokenizer(self.sp, self.prime + ids) for ids in encoded]
+        texts = [StopText(params.stop) for _ in encoded]
+        active = [True] * B
+
+        def emit(b: int, piece: str) -> None:
+            piece = texts[b].add(piece)
+            if piece and on_text is not None:
+                on_text(b, piece)
+
+        t0 = time.perf_counter()
+        while any(active):
+            if self.banned is not None:
+                last = last.masked_fill(self.banned.to(last.device), float("-inf"))
+            nxt = choose(last, params, None if seen is None else seen.to(last.device), gens).tolist()
+            for b in range(B):
+                if not active[b]:
+                    continue
+                tok, r = nxt[b], results[b]
+                if params.stop_at_eos and tok == self.eos:
+                    r.finish_reason, active[b] = "eos", False
+                    continue
+                r.tokens.append(tok)
+                if seen is not None:
+                    seen[b, tok] = True
+                emit(b, detoks[b].push(tok))
+                if texts[b].stopped:
+                    r.finish_reason, active[b] = "stop", False
+                elif len(r.tokens) >= params.max_new_tokens:
+                    active[b] = False
+            if not any(active):
+                break
+            ids = [[nxt[b]] if active[b] else [] for b in range(B)]
+            step = feed(self.backend, cache, ids)
+            last = torch.stack([s if s is not None else last[b] for b, s in enumerate(step)])
+        decode_s = time.perf_counter() - t0
+        for b, r in enumerate(results):
+            if not texts[b].stopped:
+                emit(b, detoks[b].flush())
+            tail = texts[b].finish()
+            if tail and on_text is not None:
+                on_text(b, tail)
+            r.text = texts[b].text
+            r.prefill_s, r.decode_s = prefill_s, decode_s
+        return results

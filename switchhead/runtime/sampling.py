@@ -1,0 +1,124 @@
+"""Sampling as small pure functions on logits [B, V], plus validated parameters.
+
+Order of application (as in Hugging Face's samplers): repetition penalty, temperature, top-k, top-p, min-p,
+then one draw. Temperature 0 means greedy. Filters mark removed tokens with -inf; each keeps at least the most
+likely token. Draws take uniforms from per-row generators so that a row's result never depends on which other
+rows share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from switchhead.errors import SwitchheadError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        checks = [
+            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise SwitchheadError(f"{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise SwitchheadError("stop strings must be non-empty")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise SwitchheadError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL-style penalty on tokens already in the context (`seen` [B, V] bool): positive logits are divided
+    by `penalty`, negative ones multiplied, so a penalty > 1 always makes a seen token less likely."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits per row (ties with the k-th are kept); k = 0 or k >= V keeps all."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter: keep the most likely tokens until their probability reaches p (the smallest such set,
+    in order of decreasing probability)."""
+    if p >= 1.0:
+        return logits
+    probs, order = logits.softmax(-1).sort(-1, descending=True)
+    before = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
+    drop_sorted = before >= p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
+    """Keep tokens whose probability is at least min_p times the most likely token's."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+
+
+def processed_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
+    """All filters of `params` applied to fp32 logits [B, V] (temperature > 0)."""
+    x = logits.float()
+    if seen is not None:
+        x = repetition_penalty(x, seen, params.repetition_penalty)
+    # Below ~1e-6, logits / temperature can overflow fp32 and turn the softmax into NaN; the ranking is
+    # already settled long before that, so tiny temperatures behave like 1e-6.
+    x = x / max(params.temperature, 1e-6)
+    x = top_k_filter(x, params.top_k)
+    x = top_p_filter(x, params.top_p)
+    return min_p_filter(x, params.min_p)
+
+
+def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Inverse-CDF draw per row: the first token whose cumulative probability reaches u * total, u in (0, 1].
+
+    Tokens of probability 0 are never chosen (u > 0 and the CDF is flat across them)."""
+    cdf = probs.cumsum(-1)
+    target = uniforms.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return (cdf < target).sum(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def choose(logits: Tensor, params: SamplingParams, seen: Tensor | None,
+           generators: list[torch.Generator] | None) -> Tensor:
+    """Next token per row [B] from the last-position logits [B, V]."""
+    if params.temperature == 0:
+        x = logits.float() if seen is None else repetition_penalty(logits.float(), seen, params.repetition_penalty)
+        return x.argmax(-1)
+    probs = processed_logits(logits, params, seen).softmax(-1)
+    # 1 - U[0, 1) lies in (0, 1]: a draw of exactly 0 could otherwise pick a zero-probability first token.
+    u = torch.stack([1.0 - torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    return draw(probs, u.to(probs.device))

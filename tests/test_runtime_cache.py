@@ -1,0 +1,165 @@
+"""The KV cache's defining property: cached logits equal the chunked `TransformerLM.forward` over the same tokens,
+for every architecture, prompt length, step pattern and batch composition."""
+
+import random
+
+import pytest
+import torch
+
+from switchhead import PRESETS, TransformerLM
+from switchhead.errors import SwitchheadError
+from switchhead.model.accounting import kv_cache_bytes_per_token
+from switchhead.runtime import TorchBackend, XLCache, feed
+
+ARCHS = ["tiny-switchhead", "tiny-transformer", "tiny-moa", "tiny-switchall", "tiny-switchhead-rope",
+         "tiny-switchhead-rope-nomem"]
+T = 16
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine idle OpenMP threads
+    # spin-waiting for busy cores make every op many times slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(name, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = PRESETS[name]
+    assert cfg.chunk_len == T
+    m = TransformerLM(cfg).eval().to(dtype)
+    # Random init leaves the output biases at their defaults; scale the logits up so that small errors in
+    # attention (a wrong position, a stale key) are not hidden by near-uniform outputs.
+    with torch.no_grad():
+        m.out.weight.mul_(4.0)
+    return m
+
+
+def _reference(model, ids):
+    with torch.no_grad():
+        return model(ids)[0]
+
+
+def _max_err(a, b):
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_token_by_token_matches_forward(arch):
+    m = _model(arch)
+    ids = torch.randint(0, m.config.vocab_size, (1, 4 * T + 3), generator=torch.Generator().manual_seed(1))
+    ref = _reference(m, ids)[0]
+    be = TorchBackend(m)
+    got = feed(be, be.new_cache(1), [ids[0].tolist()], step=1, keep="all")[0]
+    assert got.shape == ref.shape
+    assert _max_err(got, ref) <= ATOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prompt_len", [5, T - 3, T, 4 * T + 3])
+def test_prefill_then_decode_matches_forward(arch, prompt_len):
+    m = _model(arch)
+    n_new = 6  # enough to cross a chunk boundary from T - 3 and to roll over right after a full chunk
+    ids = torch.randint(0, m.config.vocab_size, (1, prompt_len + n_new), generator=torch.Generator().manual_seed(2))
+    ref = _reference(m, ids)[0]
+    be = TorchBackend(m)
+    cache = be.new_cache(1)
+    pre = feed(be, cache, [ids[0, :prompt_len].tolist()], keep="all")[0]
+    outs = [pre] + [feed(be, cache, [[tok]], keep="all")[0] for tok in ids[0, prompt_len:].tolist()]
+    assert _max_err(torch.cat(outs), ref) <= ATOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_step_sizes_match_forward(arch):
+    m = _model(arch)
+    rng = random.Random(arch)
+    ids = torch.randint(0, m.config.vocab_size, (1, 5 * T), generator=torch.Generator().manual_seed(3))
+    ref = _reference(m, ids)[0]
+    be = TorchBackend(m)
+    cache = be.new_cache(1)
+    toks, outs, i = ids[0].tolist(), [], 0
+    while i < len(toks):
+        n = rng.choice([1, 2, 3, 7, T - 1, T, T + 5, 2 * T + 1])
+        outs.append(feed(be, cache, [toks[i:i + n]], step=rng.choice([None, 5]), keep="all")[0])
+        i += n
+    assert _max_err(torch.cat(outs), ref) <= ATOL
+
+
+@pytest.mark.parametrize("arch", ["tiny-switchhead", "tiny-moa", "tiny-switchhead-rope"])
+def test_float64_matches_tightly(arch):
+    m = _model(arch, dtype=torch.float64)
+    ids = torch.randint(0, m.config.vocab_size, (1, 3 * T + 1), generator=torch.Generator().manual_seed(4))
+    ref = _reference(m, ids)[0]
+    be = TorchBackend(m)
+    assert be.dtype == torch.float64
+    cache = be.new_cache(1)
+    got = torch.cat([feed(be, cache, [ids[0, :T + 3].tolist()], keep="all")[0]]
+                    + [feed(be, cache, [[t]], keep="all")[0] for t in ids[0, T + 3:].tolist()])
+    assert _max_err(got, ref) <= 1e-10
+
+
+@pytest.mark.parametrize("arch", ["tiny-switchhead", "tiny-transformer", "tiny-switchhead-rope-nomem"])
+def test_batched_rows_equal_each_row_alone(arch):
+    """Rows of different lengths and at different chunk phases share steps; padding changes nothing."""
+    m = _model(arch)
+    g = torch.Generator().manual_seed(5)
+    lengths = [3, T + 4, 3 * T - 2]
+    rows = [torch.randint(0, m.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    extra = [torch.randint(0, m.config.vocab_size, (9,), generator=g).tolist() for _ in rows]
+    be = TorchBackend(m)
+    cache = be.new_cache(len(rows))
+    got = [[o] for o in feed(be, cache, rows, keep="all")]
+    for step in range(9):
+        # Rows drop in and out of steps (as finished rows do during generation).
+        batch = [[e[step]] if (step + b) % 3 else [] for b, e in enumerate(extra)]
+        for b, o in enumerate(feed(be, cache, batch, keep="all")):
+            if o is not None:
+                got[b].append(o)
+    for b, row in enumerate(rows):
+        fed = row + [e for s, e in enumerate(extra[b]) if (s + b) % 3]
+        ref = _reference(m, torch.tensor([fed]))[0]
+        assert _max_err(torch.cat(got[b]), ref) <= ATOL, f"row {b}"
+
+
+def test_buffers_are_preallocated_and_never_move():
+    m = _model("tiny-switchhead")
+    be = TorchBackend(m)
+    cache = be.new_cache(2)
+    cfg = m.config
+    ptrs = [t.data_ptr() for t in cache.keys + cache.values]
+    assert cache.keys[0].shape == (2, cfg.n_heads, 2 * T, cfg.d_head)
+    assert cache.nbytes == 2 * 2 * T * kv_cache_bytes_per_token(cfg)
+    feed(be, cache, [list(range(3 * T + 2)), list(range(T))])
+    for _ in range(T + 3):
+        feed(be, cache, [[7], [8]])
+    assert [t.data_ptr() for t in cache.keys + cache.values] == ptrs
+    assert cache.seen.tolist() == [4 * T + 5, 2 * T + 3]
+
+
+def test_moa_caches_one_shared_head():
+    cfg = PRESETS["tiny-moa"]
+    assert XLCache(cfg, 1).keys[0].shape == (1, 1, 2 * T, cfg.d_head)
+
+
+def test_no_memory_model_restarts_context():
+    """mem_chunks=0: after a chunk the context restarts, so the tokens before it do not matter."""
+    m = _model("tiny-switchhead-rope-nomem")
+    be = TorchBackend(m)
+    a, b = be.new_cache(1), be.new_cache(1)
+    tail = list(range(10, 15))
+    la = feed(be, a, [list(range(T)) + tail])[0]
+    lb = feed(be, b, [list(range(100, 100 + T)) + tail])[0]
+    assert _max_err(la, lb) <= ATOL
+    assert not bool(a.has_mem.any())
+
+
+def test_step_may_not_cross_a_chunk_boundary():
+    cache = XLCache(PRESETS["tiny-switchhead"], 1)
+    cache.begin([T - 2])
+    cache.commit()
+    with pytest.raises(SwitchheadError, match="chunk boundary"):
+        cache.begin([3])

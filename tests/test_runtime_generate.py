@@ -1,0 +1,254 @@
+"""Generation end to end: detokenisation, stop strings, seeds, batching, and the `switchhead generate` CLI."""
+
+import io
+import json
+import random
+
+import pytest
+import sentencepiece as spm
+import torch
+from click.testing import CliRunner
+
+import switchhead
+from switchhead import PRESETS, TransformerLM
+from switchhead.cli import main
+from switchhead.errors import SwitchheadError
+from switchhead.runtime import Detokenizer, Generator, SamplingParams, StopText, TorchBackend
+
+WORDS = "the quick brown fox jumps over lazy dogs while birds sing in trees near a river at dawn".split()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine idle OpenMP threads
+    # spin-waiting for busy cores make every op many times slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def sp():
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(300)]
+    model = io.BytesIO()
+    # Same conventions as switchhead.model.tokenizer: BPE, byte fallback, verbatim whitespace, EOS id 1.
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=300, model_type="bpe", byte_fallback=True,
+        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        hard_vocab_limit=False, character_coverage=1.0, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+@pytest.fixture(scope="module")
+def model(sp):
+    torch.manual_seed(0)
+    m = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size())).eval()
+    with torch.no_grad():
+        m.out.weight.mul_(3.0)  # peakier outputs than a fresh init, so greedy text is not all one token
+        m.out.bias[sp.eos_id()] = -20.0  # generations run to their limits unless a test asks for EOS
+    return m
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, model, sp):
+    return str(switchhead.save(tmp_path_factory.mktemp("ck") / "model", model, sp))
+
+
+@pytest.fixture(scope="module")
+def gen(model, sp):
+    return Generator(TorchBackend(model), sp)
+
+
+# --- text plumbing -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [" the quick fox", " naïve café 漢字 🙂 ok", "\n  two  spaces", "x"])
+def test_detokenizer_streams_exact_text(sp, text):
+    context = sp.encode("over the river")
+    ids = sp.encode("over the river" + text)[len(context):]
+    assert sp.decode(context + ids) == "over the river" + text  # sanity: the split is on a piece boundary
+    d = Detokenizer(sp, context)
+    pieces = [d.push(i) for i in ids] + [d.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)  # multi-byte characters are released whole
+
+
+def test_detokenizer_random_ids(sp):
+    rng = random.Random(1)
+    for _ in range(20):
+        context = sp.encode("the fox")
+        ids = [rng.randrange(2, sp.get_piece_size()) for _ in range(rng.randint(1, 15))]
+        d = Detokenizer(sp, context)
+        out = "".join(d.push(i) for i in ids) + d.flush()
+        assert sp.decode(context) + out == sp.decode(context + ids)
+
+
+def test_stop_text_never_releases_a_partial_stop():
+    s = StopText(["STOP", "xyz"])
+    assert [s.add(p) for p in ["ab", "cS", "TO"]] == ["ab", "c", ""]  # "STO" may still become "STOP"
+    assert s.add("x") == "STO"  # "STOx" cannot, but "x" may start "xyz"
+    assert s.add("y") == "" and not s.stopped
+    assert s.add("z!") == "" and s.stopped and s.text == "abcSTO"
+    assert s.finish() == "" and s.add("more") == ""
+    s = StopText(["STOP"])
+    assert s.add("aST") == "a" and s.finish() == "ST"  # at the end, held text that never became a stop is kept
+
+
+def test_stop_text_cuts_at_first_stop():
+    s = StopText(["ld", "o w"])  # the earliest occurrence wins, not the first-listed stop
+    out = s.add("hel") + s.add("lo world")
+    assert s.stopped and s.text == "hell" and out == "hell"
+    s = StopText([])
+    assert s.add("abc") == "abc" and s.finish() == ""
+
+
+# --- generation --------------------------------------------------------------------------------------------
+
+def test_greedy_is_deterministic_and_matches_forward(gen, model, sp):
+    p = SamplingParams(temperature=0, max_new_tokens=12)
+    (a,), (b,) = gen.generate(["the fox"], p), gen.generate(["the fox"], p)
+    assert a.text == b.text and a.tokens == b.tokens and len(a.tokens) == 12
+    assert a.finish_reason == "length" and a.prompt_tokens == len(sp.encode("the fox"))
+    # Greedy tokens must be the argmax of the plain forward over prime + prompt + generated tokens.
+    ids = [sp.eos_id()] + sp.encode("the fox") + a.tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0][0]
+    n = len(ids) - len(a.tokens)
+    logits[:, sp.unk_id()] = float("-inf")  # UNK is never sampled
+    assert logits[n - 1:-1].argmax(-1).tolist() == a.tokens
+    assert a.text == sp.decode(ids[1:])[len(sp.decode(ids[1:n])):]
+
+
+def test_seed_reproduces_and_changes_text(gen):
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=7)
+    assert gen.generate(["birds"], p)[0].text == gen.generate(["birds"], p)[0].text
+    other = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=8)
+    assert gen.generate(["birds"], p)[0].tokens != gen.generate(["birds"], other)[0].tokens
+
+
+def test_batched_rows_equal_each_row_alone(gen):
+    """Different lengths (one far beyond T=16, through memory), sampling with every filter on."""
+    prompts = ["the", "lazy dogs sing", " ".join(WORDS * 4)]
+    p = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+                       max_new_tokens=10)
+    seeds = [11, 12, 13]
+    together = gen.generate(prompts, p, seeds=seeds)
+    for prompt, seed, r in zip(prompts, seeds, together):
+        (alone,) = gen.generate([prompt], p, seeds=[seed])
+        assert (alone.tokens, alone.text) == (r.tokens, r.text)
+    assert together[2].prompt_tokens > 4 * 16
+
+
+def test_stop_string_while_streaming(gen):
+    base = gen.generate(["the river"], SamplingParams(temperature=0, max_new_tokens=16))[0].text
+    stop = base[5:8]
+    assert stop
+    pieces = []
+    (r,) = gen.generate(["the river"], SamplingParams(temperature=0, max_new_tokens=16, stop=[stop]),
+                        on_text=lambda i, t: pieces.append(t))
+    assert r.finish_reason == "stop" and r.text == base[:base.index(stop)]
+    streamed = ""
+    for piece in pieces:
+        streamed += piece
+        assert r.text.startswith(streamed)  # nothing of the stop string ever reached the stream
+    assert streamed == r.text
+
+
+def test_eos_ends_generation(model, sp):
+    torch.manual_seed(0)
+    m = TransformerLM(model.config).eval()
+    with torch.no_grad():
+        m.out.bias[sp.eos_id()] = 50.0
+    (r,) = Generator(TorchBackend(m), sp).generate(["the fox"], SamplingParams(temperature=0))
+    assert r.finish_reason == "eos" and r.tokens == [] and r.text == ""
+
+
+def test_unk_is_never_sampled(model, sp):
+    torch.manual_seed(0)
+    m = TransformerLM(model.config).eval()
+    with torch.no_grad():
+        m.out.bias[sp.unk_id()] = 50.0
+    (r,) = Generator(TorchBackend(m), sp).generate(["the fox"], SamplingParams(temperature=1.0, max_new_tokens=8,
+                                                                                seed=0))
+    assert len(r.tokens) == 8 and sp.unk_id() not in r.tokens and "\u2047" not in r.text
+
+
+def test_empty_prompt_is_a_user_error(gen):
+    for bad in ["", "   "]:
+        with pytest.raises(SwitchheadError, match="empty prompt"):
+            gen.generate([bad], SamplingParams())
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------
+
+def _run(args, input=None):
+    return CliRunner().invoke(main, ["generate", *args], input=input)
+
+
+def test_cli_streams_greedy_text(ckpt, gen):
+    want = gen.generate(["the fox"], SamplingParams(temperature=0, max_new_tokens=8))[0].text
+    r = _run(["the fox", "--ckpt", ckpt, "--temperature", "0", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == want + "\n"
+    r = _run(["--ckpt", ckpt, "--temperature", "0", "--max-new-tokens", "8"], input="the fox\n")
+    assert r.exit_code == 0 and r.stdout == want + "\n"
+
+
+def test_cli_json_and_long_prompt(ckpt):
+    long_prompt = " ".join(WORDS * 10)  # far longer than T = 16 tokens
+    r = _run([long_prompt, "--ckpt", ckpt, "--json", "--max-new-tokens", "5", "--seed", "3", "--top-k", "5"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["tokens"] == 5 and out["prompt_tokens"] > 10 * 16 and isinstance(out["text"], str)
+    assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0 and out["seed"] == 3
+
+
+@pytest.mark.parametrize("jsonl", [False, True])
+def test_cli_prompts_file_matches_single_runs(ckpt, tmp_path, jsonl):
+    prompts = ["the fox", "birds sing in trees near a river", "dawn"]
+    f = tmp_path / ("p.jsonl" if jsonl else "p.txt")
+    f.write_text("\n".join(json.dumps({"prompt": p, "id": i}) if jsonl else p for i, p in enumerate(prompts)) + "\n")
+    args = ["--ckpt", ckpt, "--max-new-tokens", "6", "--seed", "40", "--temperature", "0.8"]
+    r = _run(["--prompts-file", str(f), "--batch-size", "2", *args])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["prompt"] for row in rows] == prompts
+    for i, row in enumerate(rows):  # row i samples with seed + i, whatever the batch size
+        single = json.loads(_run([prompts[i], "--json", *args[:-4], "--seed", str(40 + i), *args[-2:]]).stdout)
+        assert single["text"] == row["text"]
+
+
+def _bad_ckpts(tmp_path, model):
+    missing = tmp_path / "missing"
+    corrupt = tmp_path / "corrupt"
+    switchhead.save(corrupt, model, None)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    no_tok = tmp_path / "no_tok"
+    switchhead.save(no_tok, model, None)
+    return {"not found": missing, "corrupt": corrupt, "no tokenizer": no_tok}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["hi"], "--ckpt"),
+    (["", "--ckpt", "CKPT"], "empty prompt"),
+    (["hi", "--ckpt", "CKPT", "--temperature", "-1"], "temperature"),
+    (["hi", "--ckpt", "CKPT", "--top-p", "0"], "top-p"),
+    (["hi", "--ckpt", "CKPT", "--top-p", "1.5"], "top-p"),
+    (["hi", "--ckpt", "CKPT", "--top-k", "-2"], "top-k"),
+    (["hi", "--ckpt", "CKPT", "--min-p", "2"], "min-p"),
+    (["hi", "--ckpt", "CKPT", "--repetition-penalty", "0"], "repetition-penalty"),
+    (["hi", "--ckpt", "CKPT", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["hi", "--ckpt", "CKPT", "--prompts-file", "nonexistent.txt"], "prompts"),
+    (["hi", "--ckpt", "BAD:not found"], "not found"),
+    (["hi", "--ckpt", "BAD:corrupt"], "corrupt"),
+    (["hi", "--ckpt", "BAD:no tokenizer"], "tokenizer"),
+])
+def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, model, args, message):
+    bad = _bad_ckpts(tmp_path, model) if any(a.startswith("BAD:") for a in args) else {}
+    args = [ckpt if a == "CKPT" else str(bad[a[4:]]) if a.startswith("BAD:") else a for a in args]
+    r = _run(args)
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("Error:") and message in err[0], r.stderr

@@ -1,0 +1,171 @@
+"""Each sampling function against a plain-Python reference, plus parameter validation."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from switchhead.errors import SwitchheadError
+from switchhead.runtime.sampling import (
+    SamplingParams,
+    choose,
+    draw,
+    min_p_filter,
+    processed_logits,
+    repetition_penalty,
+    top_k_filter,
+    top_p_filter,
+)
+
+NEG = float("-inf")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine idle OpenMP threads
+    # spin-waiting for busy cores make every op many times slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _rows(n=6, v=23, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=g) * 3
+    x[0, 3] = x[0, 5]  # a tie
+    return x
+
+
+def _softmax(row):
+    m = max(row)
+    e = [math.exp(r - m) if r != NEG else 0.0 for r in row]
+    s = sum(e)
+    return [v / s for v in e]
+
+
+def _kept(t):
+    return [[v != NEG for v in row] for row in t.tolist()]
+
+
+def test_top_k_reference():
+    x = _rows()
+    for k in [1, 2, 5, 22]:
+        want = []
+        for row in x.tolist():
+            kth = sorted(row, reverse=True)[k - 1]
+            want.append([v >= kth for v in row])
+        assert _kept(top_k_filter(x, k)) == want
+    assert torch.equal(top_k_filter(x, 0), x) and torch.equal(top_k_filter(x, 23), x)
+
+
+def test_top_p_reference():
+    x = _rows()
+    for p in [0.05, 0.3, 0.5, 0.9, 0.999]:
+        want = []
+        for row in x.tolist():
+            probs = _softmax(row)
+            order = sorted(range(len(row)), key=lambda i: -probs[i])
+            keep, mass = set(), 0.0
+            for i in order:
+                keep.add(i)
+                mass += probs[i]
+                if mass >= p:
+                    break
+            want.append([i in keep for i in range(len(row))])
+        assert _kept(top_p_filter(x, p)) == want, p
+    assert torch.equal(top_p_filter(x, 1.0), x)
+
+
+def test_min_p_reference():
+    x = _rows()
+    for mp in [0.01, 0.2, 0.7, 1.0]:
+        want = []
+        for row in x.tolist():
+            probs = _softmax(row)
+            want.append([q >= mp * max(probs) for q in probs])
+        assert _kept(min_p_filter(x, mp)) == want
+    assert torch.equal(min_p_filter(x, 0.0), x)
+
+
+def test_repetition_penalty_reference():
+    x = _rows()
+    seen = torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.4
+    for pen in [0.5, 1.3, 2.0]:
+        got = repetition_penalty(x, seen, pen).tolist()
+        for row, srow, grow in zip(x.tolist(), seen.tolist(), got):
+            for v, s, g in zip(row, srow, grow):
+                want = (v / pen if v > 0 else v * pen) if s else v
+                assert g == pytest.approx(want, rel=1e-6)
+    assert torch.equal(repetition_penalty(x, seen, 1.0), x)
+
+
+def test_draw_reference():
+    rng = random.Random(0)
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0]] * 50)
+    u = torch.tensor([1.0 - rng.random() for _ in range(50)])
+    u[0], u[1] = 1.0, 1e-12
+    got = draw(probs, u).tolist()
+    for i, ui in enumerate(u.tolist()):
+        acc, want = 0.0, None
+        for tok, q in enumerate(probs[i].tolist()):
+            acc += q
+            if q > 0 and acc >= ui * 1.0 - 1e-7:
+                want = tok
+                break
+        assert got[i] == want
+
+
+def test_draw_frequencies_follow_probabilities():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    u = 1.0 - torch.rand(20000, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    toks = draw(probs.expand(20000, -1), u)
+    freq = torch.bincount(toks, minlength=4).double() / 20000
+    assert freq[1] == 0
+    assert torch.allclose(freq, probs.double(), atol=0.015)
+
+
+def test_processed_logits_composes_in_order():
+    x = _rows()
+    seen = torch.zeros_like(x, dtype=torch.bool)
+    seen[:, :4] = True
+    p = SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05, repetition_penalty=1.2)
+    want = min_p_filter(top_p_filter(top_k_filter(repetition_penalty(x, seen, 1.2) / 0.7, 8), 0.8), 0.05)
+    assert torch.equal(processed_logits(x, p, seen), want)
+
+
+def test_greedy_and_seeded_choice():
+    x = _rows()
+    assert torch.equal(choose(x, SamplingParams(temperature=0), None, None), x.argmax(-1))
+    p = SamplingParams(temperature=1.5, top_k=10)
+
+    def run(seed):
+        gens = [torch.Generator().manual_seed(seed) for _ in range(x.shape[0])]
+        return [choose(x, p, None, gens).tolist() for _ in range(20)]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+    for row in run(5):  # top-k=10 never yields a token outside the top 10
+        for b, tok in enumerate(row):
+            assert x[b, tok] >= x[b].topk(10).values[-1]
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    x = torch.tensor([[2.0, 1.9, -1.0]])
+    seen = torch.tensor([[True, False, False]])
+    assert choose(x, SamplingParams(temperature=0, repetition_penalty=1.5), seen, None).item() == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -1), ("min_p", -0.1), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("max_new_tokens", 0), ("temperature", float("nan")),
+])
+def test_bad_parameters_are_user_errors(field, value):
+    with pytest.raises(SwitchheadError, match=field.replace("_", "-")):
+        SamplingParams(**{field: value})
+
+
+def test_empty_stop_string_rejected():
+    with pytest.raises(SwitchheadError, match="stop"):
+        SamplingParams(stop=("",))
