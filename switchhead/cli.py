@@ -109,6 +109,8 @@ def info(config_spec, ckpt, as_json):
 @click.option("--eval-data", multiple=True, type=click.Path(), help="Held-out text file(s) for validation "
               "perplexity (repeatable).")
 @click.option("--eval-every", type=int, default=1000, show_default=True, help="Validate every N steps.")
+@click.option("--eval-batch-size", type=int, help="Lanes the held-out text is cut into (more lanes: faster, "
+              "slightly less context at lane starts); default: --batch-size.")
 @click.option("--save-every", type=int, default=1000, show_default=True, help="Checkpoint every N steps.")
 @click.option("--log-every", type=int, default=10, show_default=True, help="Write metrics every N steps.")
 @click.option("--resume", is_flag=True,
@@ -187,12 +189,20 @@ def train(ctx, **params):
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts decoded together.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: text, token count, speeds.")
 @click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often faster "
+              "for small models or on a busy machine).")
 def generate(prompt, ckpt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-             prompts_file, batch_size, as_json, device):
+             prompts_file, batch_size, as_json, device, threads):
     """Continue PROMPT (or stdin) with a trained model, streaming the text."""
     from switchhead.runtime.commands import run_generate
     from switchhead.runtime.sampling import SamplingParams
 
+    if threads is not None:
+        if threads < 1:
+            raise SwitchheadError(f"threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
 
@@ -252,3 +262,23 @@ def inspect(ckpt, text, text_file, out, layers, heads, window, as_json):
     if r.json_path is not None:
         click.echo(f"raw numbers: {r.json_path}")
     click.echo(f"open {r.index}")
+
+
+@main.command("export")
+@click.option("--onnx", "to_onnx", is_flag=True, help="Export to ONNX (the only target so far).")
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (required until a default model exists).")
+@click.option("--out", type=click.Path(), help="Output directory (default: CKPT-onnx next to the checkpoint).")
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 is supported).")
+@click.option("--dtype", default="fp32", show_default=True, help="fp32 or fp16 weights and activations.")
+@click.option("--quantize", help="int8: ONNX Runtime dynamic quantisation of the dense matmuls.")
+def export_(to_onnx, ckpt, out, opset, dtype, quantize):
+    """Write model.onnx, layout.json, config.json and tokenizer.model into a new directory (atomically).
+
+    Run it with `switchhead generate --onnx DIR`; the format is described in docs/EXPORT.md."""
+    from switchhead.export import export
+
+    if not to_onnx:
+        raise SwitchheadError("no export target given: pass --onnx (the only supported target)")
+    r = export(ckpt, out, dtype=dtype, quantize=quantize, opset=opset)
+    click.echo(f"wrote {r.out} (model.onnx {r.model_bytes / 1e6:.1f} MB, {dtype}"
+               + (f", {quantize}" if quantize else "") + f", opset {opset})")

@@ -1,0 +1,173 @@
+"""SentencePiece tokenizer helpers shared by training, generation and evaluation.
+
+Conventions every part of the package relies on:
+
+- BPE with digits split into single pieces (as in the paper), byte fallback so that any text round-trips.
+- Text is encoded as one string per document with the identity normaliser and whitespace kept verbatim, and
+  ``"\\n"`` is a piece of its own, so ``decode(encode(text)) == text`` exactly (books keep their line breaks).
+- Documents are *followed* by the EOS id (``sp.eos_id()``): in a token stream, EOS means "a new, unrelated
+  document starts next". Generation from scratch primes with ``[eos]``; evaluation scores streams built with
+  `encode_documents`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from switchhead.errors import SwitchheadError
+
+NEWLINE = "\n"
+UNK_ID, EOS_ID = 0, 1
+# Byte fallback needs 256 byte pieces plus the specials; below this a vocabulary cannot hold anything else.
+MIN_VOCAB_SIZE = 300
+DEFAULT_MAX_SENTENCES = 200_000
+# SentencePiece skips longer "sentences" while training; we cut them instead so long paragraphs still count.
+_MAX_SENTENCE_CHARS = 2000
+
+
+def _training_sentences(files: Iterable[str | Path], max_sentences: int, seed: int) -> list[str]:
+    """Non-blank lines of `files`, a seeded uniform sample of at most `max_sentences` of them."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    seen = 0
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                for start in range(0, len(line), _MAX_SENTENCE_CHARS):
+                    piece = line[start : start + _MAX_SENTENCE_CHARS]
+                    seen += 1
+                    # Reservoir sampling: the cap bounds memory and training time however big the corpus is.
+                    if len(sample) < max_sentences:
+                        sample.append(piece)
+                    else:
+                        j = rng.randrange(seen)
+                        if j < max_sentences:
+                            sample[j] = piece
+    return sample
+
+
+def train_tokenizer(
+    files: Iterable[str | Path],
+    vocab_size: int = 8000,
+    *,
+    max_sentences: int = DEFAULT_MAX_SENTENCES,
+    seed: int = 0,
+    num_threads: int = 2,
+) -> spm.SentencePieceProcessor:
+    """Train a BPE tokenizer on (a sample of the lines of) `files`.
+
+    `vocab_size` is an upper bound: on small corpora SentencePiece stops early, so read the real size from
+    ``sp.get_piece_size()``. Use `save_tokenizer` to write the model file.
+    """
+    files = [Path(f) for f in files]
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise SwitchheadError(
+            f"vocab size must be at least {MIN_VOCAB_SIZE} (byte fallback), got {vocab_size}"
+        )
+    sentences = _training_sentences(files, max_sentences, seed)
+    if not sentences:
+        raise SwitchheadError("cannot train a tokenizer: the data files contain no text")
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            split_digits=True,
+            byte_fallback=True,
+            user_defined_symbols=[NEWLINE],
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            # Small corpora cannot fill a large vocabulary; stop early rather than fail.
+            hard_vocab_limit=False,
+            character_coverage=1.0,
+            unk_id=UNK_ID,
+            eos_id=EOS_ID,
+            bos_id=-1,
+            pad_id=-1,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            max_sentence_length=4 * _MAX_SENTENCE_CHARS,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise SwitchheadError(f"tokenizer training failed: {e}") from None
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def save_tokenizer(sp: spm.SentencePieceProcessor, path: str | Path) -> None:
+    """Write the model file atomically (temp file + rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(sp.serialized_model_proto())
+    tmp.replace(path)
+
+
+def load_tokenizer(path: str | Path) -> spm.SentencePieceProcessor:
+    path = Path(path)
+    if not path.is_file():
+        raise SwitchheadError(f"tokenizer model not found: {path}")
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.load(str(path))
+    except (OSError, RuntimeError) as e:
+        raise SwitchheadError(f"not a SentencePiece model: {path} ({e})") from None
+    return sp
+
+
+def tokenizer_fingerprint(sp: spm.SentencePieceProcessor) -> str:
+    """A content hash of the tokenizer: two processors with equal fingerprints encode identically."""
+    return hashlib.sha256(sp.serialized_model_proto()).hexdigest()
+
+
+def token_dtype(sp: spm.SentencePieceProcessor) -> np.dtype:
+    return np.dtype(np.uint16 if sp.get_piece_size() <= np.iinfo(np.uint16).max + 1 else np.int32)
+
+
+def encode(sp: spm.SentencePieceProcessor, text: str) -> list[int]:
+    """Token ids of `text` (no separator)."""
+    return sp.encode(text)
+
+
+def encode_documents(sp: spm.SentencePieceProcessor, documents: Iterable[str]) -> np.ndarray:
+    """One token stream: every document's ids followed by EOS (the document separator)."""
+    parts = [np.asarray(sp.encode(doc) + [sp.eos_id()], dtype=token_dtype(sp)) for doc in documents]
+    if not parts:
+        return np.zeros(0, dtype=token_dtype(sp))
+    return np.concatenate(parts)
+
+
+def iter_documents(path: str | Path, *, split_blank_lines: bool = False) -> Iterator[str]:
+    """The documents of a text file: the whole file, or its blank-line separated blocks."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if not split_blank_lines:
+        yield text
+        return
+    block: list[str] = []
+    for line in text.split("\n"):
+        if line.strip():
+            block.append(line)
+        elif block:
+            yield "\n".join(block)
+            block = []
+    if block:
+        yield "\n".join(block)
+
+
+def encode_file(
+    sp: spm.SentencePieceProcessor, path: str | Path, *, split_blank_lines: bool = False
+) -> np.ndarray:
+    """The token stream of one file (a file is one document unless `split_blank_lines`)."""
+    return encode_documents(sp, iter_documents(path, split_blank_lines=split_blank_lines))

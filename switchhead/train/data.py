@@ -1,0 +1,168 @@
+"""Token streams for Transformer-XL training: on-disk token cache and per-lane contiguous batching.
+
+The concatenated token stream (every file followed by EOS) is cut into B equal, contiguous lanes. Step s
+of an epoch feeds tokens [s*T, s*T+T) of every lane (targets shifted by one), so the XL memory returned for
+lane b at step s is exactly the text preceding lane b's chunk at step s+1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from switchhead.errors import SwitchheadError
+from switchhead.model.tokenizer import encode_file, token_dtype, tokenizer_fingerprint
+
+# Bump when the way files become tokens changes, so stale caches are not reused.
+_CACHE_VERSION = "1"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("SWITCHHEAD_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "switchhead" / "tokens"
+
+
+def check_data_files(files: Sequence[str | Path], what: str = "data") -> list[Path]:
+    if not files:
+        raise SwitchheadError(f"no {what} files given")
+    paths = []
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise SwitchheadError(f"{what} file not found: {p}")
+        if p.stat().st_size == 0 or not p.read_bytes().strip():
+            raise SwitchheadError(f"{what} file is empty: {p}")
+        paths.append(p)
+    return paths
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cached_tokens(sp: spm.SentencePieceProcessor, path: str | Path, cache_dir: str | Path) -> np.ndarray:
+    """The token stream of one file (followed by EOS), memory-mapped from the cache; built on first use.
+
+    The key covers the file content and the tokenizer, so editing either invalidates the entry; entries are
+    written to a temporary file and renamed, so concurrent builders and crashes cannot leave a torn file.
+    """
+    cache_dir = Path(cache_dir)
+    key = hashlib.sha256(
+        f"{_CACHE_VERSION}:{file_digest(path)}:{tokenizer_fingerprint(sp)}".encode()
+    ).hexdigest()
+    target = cache_dir / f"{key[:32]}.npy"
+    if not target.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        ids = encode_file(sp, path)
+        tmp = cache_dir / f".{target.name}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, ids.astype(token_dtype(sp), copy=False))
+        os.replace(tmp, target)
+    return np.load(target, mmap_mode="r")
+
+
+class TokenStream:
+    """A read-only concatenation of token arrays (memory maps stay maps; nothing is copied up front)."""
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        self.parts = [p for p in parts if len(p)]
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"slice [{start}, {stop}) outside a stream of {len(self)} tokens")
+        out = np.empty(stop - start, dtype=np.int64)
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            part, base = self.parts[i], int(self.offsets[i])
+            end = min(stop, base + len(part))
+            out[pos - start : end - start] = part[pos - base : end - base]
+            pos, i = end, i + 1
+        return out
+
+
+def load_stream(
+    sp: spm.SentencePieceProcessor, files: Sequence[str | Path], cache_dir: str | Path
+) -> TokenStream:
+    return TokenStream([cached_tokens(sp, f, cache_dir) for f in files])
+
+
+@dataclass(frozen=True)
+class LaneBatcher:
+    """Training batches: `n_lanes` contiguous lanes over `stream`, `chunk_len` tokens per step.
+
+    `lanes` selects which of the global lanes this process feeds (DDP ranks take disjoint blocks); the lane
+    geometry depends only on the global lane count, so the data are the same whatever the world size.
+    """
+
+    stream: TokenStream
+    n_lanes: int
+    chunk_len: int
+    lanes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        need = self.n_lanes * (self.chunk_len + 1)
+        if len(self.stream) < need:
+            raise SwitchheadError(
+                f"training data too short: {len(self.stream)} tokens, but one batch of {self.n_lanes} lanes "
+                f"x {self.chunk_len + 1} tokens needs {need}; add data or lower --batch-size"
+            )
+
+    @property
+    def lane_len(self) -> int:
+        return len(self.stream) // self.n_lanes
+
+    @property
+    def steps_per_epoch(self) -> int:
+        # Each step needs chunk_len inputs plus one more token as the last target.
+        return (self.lane_len - 1) // self.chunk_len
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of global step `step`."""
+        return divmod(step, self.steps_per_epoch)
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets), each int64 [len(lanes), chunk_len], for global step `step`."""
+        _, s = self.position(step)
+        lanes = range(self.n_lanes) if self.lanes is None else self.lanes
+        T = self.chunk_len
+        rows = [
+            self.stream.slice(b * self.lane_len + s * T, b * self.lane_len + s * T + T + 1) for b in lanes
+        ]
+        block = np.stack(rows)
+        return block[:, :-1], block[:, 1:]
+
+
+def eval_chunks(stream: TokenStream, n_lanes: int, chunk_len: int, lanes: Sequence[int] | None = None):
+    """Yield (inputs, targets) chunks covering every token of `stream` (but the first of each lane) once.
+
+    The stream is cut into `n_lanes` contiguous lanes (fewer when it is short); the last chunk may be shorter
+    than `chunk_len`. Feeding the chunks in order with memory gives every token its true preceding context.
+    """
+    n_lanes = max(1, min(n_lanes, len(stream) // 2))
+    lane_len = len(stream) // n_lanes
+    if lane_len < 2:
+        raise SwitchheadError(f"evaluation data too short: {len(stream)} tokens")
+    chosen = list(range(n_lanes)) if lanes is None else [b for b in lanes if b < n_lanes]
+    if not chosen:
+        return
+    block = np.stack([stream.slice(b * lane_len, (b + 1) * lane_len) for b in chosen])
+    for start in range(0, lane_len - 1, chunk_len):
+        stop = min(start + chunk_len, lane_len - 1)
+        yield block[:, start:stop], block[:, start + 1 : stop + 1]

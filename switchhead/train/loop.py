@@ -1,0 +1,653 @@
+"""The training loop: tokenizer, token streams, AdamW + cosine schedule, XL memory across steps, mixed
+precision, periodic evaluation, atomic checkpoints, exact resume, and DDP under torchrun.
+
+Output directory layout (``--out DIR``):
+
+- ``DIR/final/``: the finished model checkpoint (`switchhead.load` reads it), written at the last step.
+- ``DIR/checkpoint/``: the latest training state (also a loadable model checkpoint); `--resume` starts here.
+- ``DIR/run.json``: what defines the run (model config, data, tokenizer, optimisation settings); marks the
+  directory as ours and is compared on `--resume`.
+- ``DIR/tokenizer.model``: the tokenizer the run uses. ``DIR/metrics.jsonl``: one JSON object per log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from switchhead.errors import SwitchheadError
+from switchhead.model.checkpoint import WEIGHTS, save
+from switchhead.model.config import ModelConfig, resolve_config
+from switchhead.model.lm import TransformerLM
+from switchhead.model.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from switchhead.train.data import (
+    LaneBatcher,
+    TokenStream,
+    check_data_files,
+    default_cache_dir,
+    eval_chunks,
+    file_digest,
+    load_stream,
+)
+from switchhead.train.schedule import lr_at
+from switchhead.train.state import (
+    has_training_checkpoint,
+    optimizer_from_flat,
+    read_training_checkpoint,
+    write_training_checkpoint,
+)
+
+RUN_FILE, TOKENIZER_FILE, METRICS_FILE = "run.json", "tokenizer.model", "metrics.jsonl"
+FINAL_DIR, CHECKPOINT_DIR = "final", "checkpoint"
+RUN_FORMAT = "switchhead-train/1"
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class TrainOptions:
+    """Everything `train` needs; the CLI maps its flags one to one onto these fields."""
+
+    config: str | ModelConfig
+    data: list[str]
+    out: str
+    tokenizer: str | None = None
+    vocab_size: int = 8000
+    steps: int = 100_000
+    batch_size: int = 64
+    lr: float = 2.5e-4
+    warmup: int = 0
+    grad_clip: float | None = None  # None: the model config's grad_clip
+    eval_data: list[str] = field(default_factory=list)
+    eval_every: int = 1000
+    eval_batch_size: int | None = None  # lanes the held-out stream is cut into; None: batch_size
+    save_every: int = 1000
+    log_every: int = 10
+    resume: bool = False
+    seed: int = 0
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = (
+        None  # None: bfloat16 on a GPU that supports it, float16 on older GPUs, float32 on CPU
+    )
+    cache_dir: str | None = None
+    progress: bool = True
+    tokenizer_sentences: int = 200_000
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    final: Path | None
+    step: int
+    interrupted: bool
+    last_loss: float | None
+    val_ppl: float | None
+
+
+# --- distributed helpers ---
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist_on() else 1
+
+
+def _barrier() -> None:
+    if _dist_on():
+        dist.barrier()
+
+
+def _setup_distributed(device_opt: str | None) -> tuple[torch.device, bool]:
+    """Join the torchrun process group when launched by torchrun; return (device, we_initialised_it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _dist_on():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = torch.cuda.is_available() and (device_opt is None or device_opt.startswith("cuda"))
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        return device, True
+    if device_opt is None:
+        device_opt = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device_opt)
+    except RuntimeError as e:
+        raise SwitchheadError(f"bad --device {device_opt!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SwitchheadError("--device cuda requested but no CUDA GPU is available")
+    return device, False
+
+
+def _amp_dtype(device: torch.device, dtype_opt: str | None) -> torch.dtype:
+    if dtype_opt is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype_opt not in DTYPES:
+        raise SwitchheadError(f"unknown --dtype {dtype_opt!r}; choose from float32, bfloat16, float16")
+    dtype = DTYPES[dtype_opt]
+    if dtype == torch.float16 and device.type != "cuda":
+        raise SwitchheadError("--dtype float16 needs a CUDA device (use bfloat16 or float32 on the CPU)")
+    return dtype
+
+
+# --- output directory ---
+
+
+def _run_spec(opts: TrainOptions, config: ModelConfig, tok_fp: str, data: list[Path], world: int) -> dict:
+    """What defines a run: resuming with any of these changed would not continue the same run."""
+    return {
+        "format": RUN_FORMAT,
+        "model_config": config.to_dict(),
+        "tokenizer_sha256": tok_fp,
+        "data": [{"path": str(p.resolve()), "sha256": file_digest(p)} for p in data],
+        "batch_size": opts.batch_size,
+        "lr": opts.lr,
+        "warmup": opts.warmup,
+        "seed": opts.seed,
+        "world_size": world,
+        # Informational (not compared): lets `--resume` without flags continue with the same settings.
+        "options": {k: getattr(opts, k) for k in _RESUMABLE},
+        "eval_data": [str(Path(p).resolve()) for p in opts.eval_data],
+    }
+
+
+_RESUMABLE = (
+    "steps",
+    "batch_size",
+    "lr",
+    "warmup",
+    "grad_clip",
+    "eval_every",
+    "eval_batch_size",
+    "save_every",
+    "log_every",
+    "seed",
+    "vocab_size",
+    "cache_dir",
+)
+
+
+def resume_defaults(out: str | Path) -> dict:
+    """The options of the run recorded in `out` (for `--resume` without repeating every flag); {} if none."""
+    run_file = Path(out) / RUN_FILE
+    if not run_file.is_file():
+        return {}
+    try:
+        spec = json.loads(run_file.read_text())
+        return {
+            **spec.get("options", {}),
+            "config": ModelConfig.from_dict(spec["model_config"]),
+            "data": [d["path"] for d in spec["data"]],
+            "eval_data": list(spec.get("eval_data", [])),
+        }
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
+
+
+def _check_out_dir(out: Path, resume: bool) -> dict | None:
+    """Refuse directories we do not own; return the recorded run spec when resuming an existing run."""
+    if out.exists() and not out.is_dir():
+        raise SwitchheadError(f"--out {out} exists and is not a directory")
+    run_file = out / RUN_FILE
+    if out.is_dir() and any(out.iterdir()) and not run_file.is_file():
+        raise SwitchheadError(
+            f"--out {out} is not empty and holds no switchhead training run; refusing to write into it"
+        )
+    if not run_file.is_file():
+        return None
+    try:
+        spec = json.loads(run_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
+    if not isinstance(spec, dict) or spec.get("format") != RUN_FORMAT:
+        raise SwitchheadError(f"{run_file} is not a switchhead training run record")
+    if not resume:
+        raise SwitchheadError(
+            f"--out {out} already holds a training run; pass --resume to continue it or "
+            "choose another directory"
+        )
+    return spec
+
+
+def _compare_specs(old: dict, new: dict) -> None:
+    for key in ("model_config", "tokenizer_sha256", "data", "batch_size", "lr", "warmup", "seed"):
+        if old.get(key) != new.get(key):
+            if key == "model_config":
+                a, b = old[key], new[key]
+                diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff)
+            elif key == "data":
+                detail = "the data files or their contents differ"
+            else:
+                detail = f"{old.get(key)!r} -> {new.get(key)!r}"
+            raise SwitchheadError(
+                f"cannot resume: {key.replace('_', ' ')} changed since the run started ({detail})"
+            )
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop log lines past `step` (written by a run killed after its last checkpoint; they will be redone)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by the kill
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
+
+
+# --- evaluation ---
+
+
+@torch.no_grad()
+def evaluate(
+    model: TransformerLM,
+    stream: TokenStream,
+    n_lanes: int,
+    device: torch.device,
+    amp_dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """Per-token loss and perplexity over `stream`, chunk by chunk with XL memory (split across DDP ranks)."""
+    was_training = model.training
+    model.eval()
+    rank, world = _rank(), _world()
+    cfg = model.config
+    lanes = range(rank, max(1, min(n_lanes, len(stream) // 2)), world)
+    nll = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    memory = None
+    for x, y in eval_chunks(stream, n_lanes, cfg.chunk_len, lanes=list(lanes)):
+        x = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+        y = torch.from_numpy(np.ascontiguousarray(y)).to(device)
+        with _autocast(device, amp_dtype):
+            logits, memory = model(x, memory)
+        nll += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
+        count += y.numel()
+    if _dist_on():
+        dist.all_reduce(nll)
+        dist.all_reduce(count)
+    model.train(was_training)
+    loss = (nll / count).item()
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(count.item())}
+
+
+def _autocast(device: torch.device, amp_dtype: torch.dtype):
+    if amp_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+
+# --- RNG ---
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"].to(torch.uint8).cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8).cpu(), device)
+
+
+def _gather_objects(obj) -> list:
+    if not _dist_on():
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _gather_lanes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Concatenate every rank's lanes (dim 1 of the memory) in rank order (ranks own consecutive lanes)."""
+    if t is None or not _dist_on():
+        return t
+    parts = [torch.empty_like(t) for _ in range(_world())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=1)
+
+
+def _param_checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+# --- the loop ---
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM request a checkpoint and a clean stop after the current step; a second signal kills."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        for sig, old in self._old.items():  # the next signal gets the default behaviour (hard stop)
+            signal.signal(sig, old)
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals to the caller
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            with contextlib.suppress(ValueError):
+                signal.signal(sig, old)
+
+
+def train(opts: TrainOptions) -> TrainResult:
+    """Train (or resume) a model as described by `opts`; see the module docstring for the output layout."""
+    device, owns_group = _setup_distributed(opts.device)
+    try:
+        return _train(opts, device)
+    finally:
+        if owns_group and _dist_on():
+            dist.destroy_process_group()
+
+
+def _validate(opts: TrainOptions) -> None:
+    for name in ("steps", "batch_size", "eval_every", "save_every", "log_every"):
+        v = getattr(opts, name)
+        if not isinstance(v, int) or v < 1:
+            raise SwitchheadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if opts.eval_batch_size is not None and (not isinstance(opts.eval_batch_size, int) or opts.eval_batch_size < 1):
+        raise SwitchheadError(f"--eval-batch-size must be a positive integer, got {opts.eval_batch_size!r}")
+    if not opts.lr > 0:
+        raise SwitchheadError(f"--lr must be positive, got {opts.lr}")
+    if opts.warmup < 0:
+        raise SwitchheadError(f"--warmup must be >= 0, got {opts.warmup}")
+    if opts.grad_clip is not None and opts.grad_clip < 0:
+        raise SwitchheadError(f"--grad-clip must be >= 0 (0 disables clipping), got {opts.grad_clip}")
+
+
+def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
+    _validate(opts)
+    rank, world = _rank(), _world()
+    is_main = rank == 0
+    out = Path(opts.out)
+    amp_dtype = _amp_dtype(device, opts.dtype)
+    if opts.batch_size % world:
+        raise SwitchheadError(
+            f"--batch-size {opts.batch_size} must be divisible by the number of processes ({world})"
+        )
+
+    base_config = opts.config if isinstance(opts.config, ModelConfig) else resolve_config(opts.config)
+    data_files = check_data_files(opts.data, "training data")
+    eval_files = check_data_files(opts.eval_data, "evaluation data") if opts.eval_data else []
+    old_spec = _check_out_dir(out, opts.resume)
+    ckpt_dir = out / CHECKPOINT_DIR
+    resuming = old_spec is not None and has_training_checkpoint(ckpt_dir)
+    _barrier()  # every rank has checked the directory before rank 0 starts writing into it
+
+    # Tokenizer: the run's own copy when resuming; else the given one; else trained by rank 0 on the data.
+    tok_path = out / TOKENIZER_FILE
+    if old_spec is not None and tok_path.is_file():
+        sp = load_tokenizer(tok_path)
+        if opts.tokenizer is not None and tokenizer_fingerprint(
+            load_tokenizer(opts.tokenizer)
+        ) != tokenizer_fingerprint(sp):
+            raise SwitchheadError(
+                "cannot resume: --tokenizer differs from the tokenizer the run started with"
+            )
+    elif opts.tokenizer is not None:
+        sp = load_tokenizer(opts.tokenizer)
+    else:
+        # Trained in memory and written only once every check has passed, so a refused run leaves no trace;
+        # rank 0 trains and the others receive its model, so all ranks tokenize identically.
+        proto = [None]
+        if is_main:
+            proto[0] = train_tokenizer(
+                data_files, opts.vocab_size, max_sentences=opts.tokenizer_sentences, seed=opts.seed
+            ).serialized_model_proto()
+        if _dist_on():
+            dist.broadcast_object_list(proto, src=0)
+        sp = spm.SentencePieceProcessor(model_proto=proto[0])
+    config = base_config.replace(vocab_size=sp.get_piece_size())
+    if opts.grad_clip is not None:
+        config = config.replace(grad_clip=opts.grad_clip)
+
+    spec = _run_spec(opts, config, tokenizer_fingerprint(sp), data_files, world)
+    if old_spec is not None:
+        _compare_specs(old_spec, spec)
+
+    # Token caches: rank 0 builds them, the others then map the finished files.
+    cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
+    if is_main:
+        load_stream(sp, data_files + eval_files, cache_dir)
+    _barrier()
+    stream = load_stream(sp, data_files, cache_dir)
+    per_rank = opts.batch_size // world
+    my_lanes = tuple(range(rank * per_rank, (rank + 1) * per_rank))
+    batcher = LaneBatcher(stream, opts.batch_size, config.chunk_len, lanes=my_lanes)
+    eval_stream = load_stream(sp, eval_files, cache_dir) if eval_files else None
+
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not tok_path.is_file():
+            save_tokenizer(sp, tok_path)
+        if old_spec is None:
+            _write_json_atomic(out / RUN_FILE, spec)
+    _barrier()
+
+    # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's); dropout then
+    # draws from a per-rank stream so ranks do not repeat each other's masks.
+    torch.manual_seed(opts.seed)
+    model = TransformerLM(config).to(device)
+    torch.manual_seed(opts.seed * 1000 + 1 + rank)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(opts.seed * 1000 + 1 + rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+
+    start_step, memory = 0, None
+    if resuming:
+        state, opt_tensors, trainer_tensors = read_training_checkpoint(ckpt_dir)
+        model.load_state_dict(load_file(str(ckpt_dir / WEIGHTS), device=str(device)))
+        optimizer_from_flat(opt, opt_tensors, state["optimizer"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        start_step = int(state["step"])
+        if "memory" in trainer_tensors:
+            memory = trainer_tensors["memory"][:, my_lanes[0] : my_lanes[-1] + 1].to(device)
+        if state.get("world_size") == world and f"rng.{rank}.cpu" in trainer_tensors:
+            _set_rng_state(
+                {k.split(".")[-1]: v for k, v in trainer_tensors.items() if k.startswith(f"rng.{rank}.")},
+                device,
+            )
+        elif is_main:
+            tqdm.write(
+                f"note: resuming with {world} processes instead of {state.get('world_size')}; dropout "
+                "masks will differ from the uninterrupted run"
+            )
+    if is_main and old_spec is not None:
+        _truncate_metrics(out / METRICS_FILE, start_step)
+
+    train_model = model
+    if _dist_on():
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    clip = config.grad_clip
+    tokens_per_step = opts.batch_size * config.chunk_len
+    metrics = open(out / METRICS_FILE, "a") if is_main else None  # noqa: SIM115 - closed in finally
+    bar = tqdm(
+        total=opts.steps,
+        initial=start_step,
+        disable=not (is_main and opts.progress),
+        dynamic_ncols=True,
+        unit="step",
+    )
+    last_loss = val_ppl = None
+    step = start_step
+    interrupted = False
+
+    def log(record: dict) -> None:
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+
+    def checkpoint(step_done: int) -> None:
+        # Collective: every rank contributes its lanes' memory and its RNG state; rank 0 alone writes.
+        full_memory = _gather_lanes(memory)
+        rngs = _gather_objects({k: v.tolist() for k, v in _rng_state(device).items()})
+        sums = _gather_objects(_param_checksum(model))
+        if len(set(sums)) != 1:
+            raise RuntimeError(f"DDP ranks diverged: parameter checksums {sums}")
+        if is_main:
+            tensors = {} if full_memory is None else {"memory": full_memory}
+            for r, st in enumerate(rngs):
+                for k, v in st.items():
+                    tensors[f"rng.{r}.{k}"] = torch.tensor(v, dtype=torch.uint8)
+            epoch, pos = batcher.position(step_done)
+            state = {
+                "step": step_done,
+                "epoch": epoch,
+                "epoch_step": pos,
+                "tokens_seen": step_done * tokens_per_step,
+                "world_size": world,
+                "param_checksums_by_rank": sums,
+                "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+                "run": spec,
+            }
+            write_training_checkpoint(ckpt_dir, model, sp, opt, state, tensors)
+        _barrier()
+
+    try:
+        with _StopFlag() as stop:
+            model.train()
+            loss_sum = torch.zeros((), device=device)
+            loss_n = 0
+            t_last = time.perf_counter()
+            for step in range(start_step, opts.steps):
+                if batcher.position(step)[1] == 0:
+                    memory = None  # a new epoch starts every lane over: the old memory is not its context
+                x, y = batcher.batch(step)
+                x = torch.from_numpy(np.ascontiguousarray(x)).to(device, non_blocking=True)
+                y = torch.from_numpy(np.ascontiguousarray(y)).to(device, non_blocking=True)
+                lr = lr_at(step, opts.lr, opts.steps, opts.warmup)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                with _autocast(device, amp_dtype):
+                    logits, memory = train_model(x, memory)
+                    lm_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                    loss = lm_loss + model.aux_loss().float()
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                if clip > 0:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                scaler.step(opt)
+                scaler.update()
+                loss_sum += lm_loss.detach()
+                loss_n += 1
+                done = step + 1
+
+                if done % opts.log_every == 0 or done == opts.steps:
+                    mean = loss_sum / loss_n
+                    if _dist_on():
+                        dist.all_reduce(mean)
+                        mean /= world
+                    last_loss = mean.item()
+                    now = time.perf_counter()
+                    tps = loss_n * tokens_per_step / max(now - t_last, 1e-9)
+                    log(
+                        {
+                            "step": done,
+                            "loss": last_loss,
+                            "lr": lr,
+                            "tokens": done * tokens_per_step,
+                            "tokens_per_s": round(tps, 1),
+                            "time": time.time(),
+                        }
+                    )
+                    bar.set_postfix(
+                        loss=f"{last_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}", refresh=False
+                    )
+                    loss_sum.zero_()
+                    loss_n, t_last = 0, now
+                bar.update(1)
+
+                if eval_stream is not None and (done % opts.eval_every == 0 or done == opts.steps):
+                    ev = evaluate(model, eval_stream, opts.eval_batch_size or opts.batch_size, device, amp_dtype)
+                    val_ppl = ev["val_ppl"]
+                    log({"step": done, **ev})
+                    if is_main:
+                        tqdm.write(f"step {done}: val loss {ev['val_loss']:.4f}, val ppl {val_ppl:.2f}")
+
+                stop_now = stop.requested
+                if _dist_on():  # every rank must agree, or a lone rank would wait forever in the collectives
+                    flag = torch.tensor(float(stop_now), device=device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    stop_now = bool(flag.item())
+                if stop_now and done < opts.steps:
+                    checkpoint(done)
+                    interrupted = True
+                    step = done
+                    break
+                if done % opts.save_every == 0 or done == opts.steps:
+                    checkpoint(done)
+                step = done
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+
+    final = None
+    if not interrupted:
+        if is_main:
+            final = save(out / FINAL_DIR, model, sp)
+        _barrier()
+        final = out / FINAL_DIR
+    return TrainResult(
+        out=out, final=final, step=step, interrupted=interrupted, last_loss=last_loss, val_ppl=val_ppl
+    )

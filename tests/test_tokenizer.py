@@ -1,0 +1,87 @@
+"""Tokenizer helpers: exact round-trip, digits split, EOS document separators."""
+
+import random
+
+import numpy as np
+import pytest
+
+from switchhead.errors import SwitchheadError
+from switchhead.model.tokenizer import (
+    encode_documents,
+    encode_file,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
+
+
+def _corpus(path, n_lines=400, seed=0):
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dogs while birds sing in 2024 and 1999 trees".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) for _ in range(n_lines)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory):
+    return train_tokenizer([_corpus(tmp_path_factory.mktemp("tok") / "a.txt")], vocab_size=400)
+
+
+def test_round_trip_is_exact(sp):
+    texts = [
+        "the quick brown fox",
+        "  two  spaces\n\nand a blank line\n",
+        "unseen wörds: café, 漢字, emoji 🙂",
+        "tabs\tand trailing space ",
+    ]
+    for text in texts:
+        assert sp.decode(sp.encode(text)) == text
+
+
+def test_digits_are_split(sp):
+    ids = sp.encode("in 2024 we had 1999 trees and 31415 dogs")
+    # Decode piece by piece (digits unseen in training come back as byte pieces such as <0x35>).
+    pieces = [sp.decode([i]).strip() for i in ids]
+    digit_pieces = [p for p in pieces if any(c.isdigit() for c in p)]
+    assert "".join(digit_pieces) == "2024199931415", pieces
+    assert all(len(p) == 1 for p in digit_pieces), pieces
+
+
+def test_vocab_is_an_upper_bound_and_eos_is_separator(sp, tmp_path):
+    assert 300 <= sp.get_piece_size() <= 400
+    assert sp.eos_id() == 1 and sp.piece_to_id("\n") != sp.unk_id()
+    ids = encode_documents(sp, ["the fox", "the dog"])
+    assert ids.dtype == np.uint16
+    eos = np.flatnonzero(ids == sp.eos_id())
+    assert list(eos) == [len(sp.encode("the fox")), len(ids) - 1]
+    assert sp.decode(ids[: eos[0]].tolist()) == "the fox"
+    f = tmp_path / "doc.txt"
+    f.write_text("a first paragraph\n\nand a second one")
+    assert list(encode_file(sp, f)) == sp.encode(f.read_text()) + [sp.eos_id()]
+    two = encode_file(sp, f, split_blank_lines=True)
+    assert int((two == sp.eos_id()).sum()) == 2
+
+
+def test_save_load_and_fingerprint(sp, tmp_path):
+    save_tokenizer(sp, tmp_path / "t.model")
+    again = load_tokenizer(tmp_path / "t.model")
+    assert tokenizer_fingerprint(again) == tokenizer_fingerprint(sp)
+    # Deterministic training: the same data gives the same tokenizer (DDP ranks and caches rely on it).
+    retrained = train_tokenizer([_corpus(tmp_path / "b.txt")], vocab_size=400)
+    assert tokenizer_fingerprint(retrained) == tokenizer_fingerprint(sp)
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(SwitchheadError, match="at least"):
+        train_tokenizer([_corpus(tmp_path / "a.txt")], vocab_size=100)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    with pytest.raises(SwitchheadError, match="no text"):
+        train_tokenizer([empty], vocab_size=400)
+    with pytest.raises(SwitchheadError, match="not found"):
+        load_tokenizer(tmp_path / "missing.model")
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(SwitchheadError, match="not a SentencePiece model"):
+        load_tokenizer(tmp_path / "junk.model")

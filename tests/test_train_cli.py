@@ -1,0 +1,128 @@
+"""`switchhead train` through click: bad input gives one line, exit code 2, no traceback, nothing overwritten."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import switchhead
+from switchhead.cli import main
+
+WORDS = "the cat sat on a mat and 42 dogs ran over 1999 hills while birds sang"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The machine's 2 cores are shared with other test runs; oversubscribed OpenMP threads crawl, and one
+    # thread also matches the torchrun/subprocess runs bit for bit.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_text("\n".join(f"{WORDS} {i}" for i in range(200)))
+    return p
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["train", *map(str, args)])
+
+
+def _tiny(out, data, tmp_path, *extra):
+    return _run(
+        "--config",
+        "tiny-switchhead",
+        "--data",
+        data,
+        "--out",
+        out,
+        "--vocab-size",
+        400,
+        "--steps",
+        4,
+        "--batch-size",
+        2,
+        "--cache-dir",
+        tmp_path / "cache",
+        "--no-progress",
+        *extra,
+    )
+
+
+def _assert_user_error(result, match):
+    assert result.exit_code == 2, (result.output, result.exception)
+    text = result.output.strip()
+    assert len(text.splitlines()) == 1 and text.startswith("Error: "), text
+    assert "Traceback" not in text
+    assert match in text, text
+
+
+def test_train_runs_and_prints_summary(corpus, tmp_path):
+    out = tmp_path / "run"
+    r = _tiny(out, corpus, tmp_path)
+    assert r.exit_code == 0, r.output
+    assert "done: 4 steps" in r.output and str(out / "final") in r.output
+    model, sp = switchhead.load(out / "final")
+    assert model.config.vocab_size == sp.get_piece_size()
+    # Resume with no further flags (options come from the run) and a longer horizon.
+    r = _run("--out", out, "--resume", "--steps", 6, "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 6
+
+
+def test_missing_and_empty_data(tmp_path):
+    _assert_user_error(_tiny(tmp_path / "o1", tmp_path / "nope.txt", tmp_path), "not found")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    _assert_user_error(_tiny(tmp_path / "o2", empty, tmp_path), "empty")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    _assert_user_error(_run("--out", tmp_path / "o3", "--config", "tiny-switchhead"), "--data is required")
+
+
+def test_data_shorter_than_one_batch(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text(WORDS)
+    out = tmp_path / "o"
+    _assert_user_error(_tiny(out, short, tmp_path), "too short")
+    assert not out.exists()  # a refused run leaves nothing behind
+
+
+def test_out_dir_holding_something_else(corpus, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    _assert_user_error(_tiny(out, corpus, tmp_path), "not empty")
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"]
+    assert (out / "thesis.tex").read_text() == "precious"
+    f = tmp_path / "file"
+    f.write_text("x")
+    _assert_user_error(_tiny(f, corpus, tmp_path), "not a directory")
+
+
+def test_existing_run_and_changed_config_on_resume(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert _tiny(out, corpus, tmp_path).exit_code == 0
+    before = (out / "final" / "model.safetensors").read_bytes()
+    _assert_user_error(_tiny(out, corpus, tmp_path), "already holds a training run")
+    _assert_user_error(_run("--out", out, "--resume", "--config", "tiny-transformer"), "model config changed")
+    _assert_user_error(_run("--out", out, "--resume", "--batch-size", 4), "batch size changed")
+    _assert_user_error(_run("--out", out, "--resume", "--grad-clip", 0.5), "grad_clip")
+    other = tmp_path / "b.txt"
+    other.write_text("\n".join(f"{WORDS} again {i}" for i in range(200)))
+    _assert_user_error(_run("--out", out, "--resume", "--data", other), "data changed")
+    assert (out / "final" / "model.safetensors").read_bytes() == before
+
+
+def test_bad_options(corpus, tmp_path):
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--lr", "-1"), "--lr")
+    _assert_user_error(_run("--config", "no-such-preset", "--data", corpus, "--out", tmp_path / "o"), "unknown config")
+    _assert_user_error(
+        _tiny(tmp_path / "o", corpus, tmp_path, "--tokenizer", tmp_path / "none.model"), "tokenizer model not found"
+    )
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--dtype", "float16"), "float16 needs a CUDA")
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,219 @@
+"""End-to-end training: loss goes down, checkpoints load, SIGKILL + --resume continues exactly, SIGTERM saves."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import switchhead
+from switchhead.model.config import PRESETS
+from switchhead.train import TrainOptions, train
+
+REPO = Path(switchhead.__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The machine's 2 cores are shared with other test runs; oversubscribed OpenMP threads crawl, and one
+    # thread also matches the torchrun/subprocess runs bit for bit.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _corpus(path, n_lines=400, seed=0):
+    rng = random.Random(seed)
+    words = "the cat sat on a mat and then 42 dogs ran over 1999 hills while birds sang".split()
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(n_lines)))
+    return path
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out):
+    return {m["step"]: m["loss"] for m in _metrics(out) if "loss" in m}
+
+
+def _subprocess_env():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def test_loss_decreases_and_checkpoint_loads(tmp_path):
+    data = tmp_path / "rep.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog 123 times.\n" * 300)
+    held = tmp_path / "held.txt"
+    held.write_text("the quick brown fox jumps over the lazy dog 123 times.\n" * 20)
+    out = tmp_path / "run"
+    res = train(
+        TrainOptions(
+            config="tiny-switchhead",
+            data=[str(data)],
+            eval_data=[str(held)],
+            out=str(out),
+            vocab_size=400,
+            steps=80,
+            batch_size=4,
+            lr=3e-3,
+            log_every=10,
+            eval_every=40,
+            save_every=40,
+            cache_dir=str(tmp_path / "cache"),
+            progress=False,
+        )
+    )
+    losses = _losses(out)
+    assert losses[80] < 0.3 * losses[10], losses
+    vals = [m for m in _metrics(out) if "val_ppl" in m]
+    assert [v["step"] for v in vals] == [40, 80] and vals[-1]["val_ppl"] < vals[0]["val_ppl"] < 50
+    assert res.final == out / "final" and not res.interrupted
+    model, sp = switchhead.load(out / "final")
+    assert model.config.vocab_size == sp.get_piece_size() <= 400
+    assert model.config.name == "tiny-switchhead"
+    # The final weights are the trained ones: the loaded model predicts the corpus well.
+    ids = torch.tensor([sp.encode("the quick brown fox jumps over the lazy dog 123 times.\n" * 3)])
+    with torch.no_grad():
+        logits, _ = model(ids)
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+    assert nll < 1.0
+    # The training checkpoint is a loadable model checkpoint too, equal to the final one.
+    again, _ = switchhead.load(out / "checkpoint")
+    for (k, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def _launch(args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "switchhead.train", *args],
+        env=_subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(path, proc, timeout=60):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+STEPS = 60
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    # Dropout on, so the RNG state has to be restored too, not only weights, optimizer and memory.
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(PRESETS["tiny-switchhead"].replace(dropout=0.1).to_json())
+    data = _corpus(tmp_path / "a.txt")
+    common = dict(
+        data=[str(data)],
+        vocab_size=400,
+        steps=STEPS,
+        batch_size=4,
+        lr=2e-3,
+        warmup=3,
+        log_every=1,
+        save_every=5,
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+    )
+    ref = tmp_path / "ref"
+    train(TrainOptions(config=str(cfg), out=str(ref), **common))
+
+    out = tmp_path / "killed"
+    proc = _launch(
+        [
+            "--config",
+            str(cfg),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--vocab-size",
+            "400",
+            "--steps",
+            str(STEPS),
+            "--batch-size",
+            "4",
+            "--lr",
+            "2e-3",
+            "--warmup",
+            "3",
+            "--log-every",
+            "1",
+            "--save-every",
+            "5",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-progress",
+        ]
+    )
+    _wait_for(out / "checkpoint" / "trainer_state.json", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists(), "the run finished before it could be killed"
+    saved = json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"]
+    assert 5 <= saved < STEPS and saved % 5 == 0
+
+    res = train(TrainOptions(config=str(cfg), out=str(out), resume=True, **common))
+    assert res.step == STEPS and not res.interrupted
+    a, b = _losses(ref), _losses(out)
+    assert sorted(b) == list(range(1, STEPS + 1))  # lines the killed run logged after its checkpoint are gone
+    for step in range(saved + 1, STEPS + 1):
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    m_ref, _ = switchhead.load(ref / "final")
+    m_res, _ = switchhead.load(out / "final")
+    for (k, x), y in zip(m_ref.state_dict().items(), m_res.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    data = _corpus(tmp_path / "a.txt")
+    out = tmp_path / "run"
+    proc = _launch(
+        [
+            "--config",
+            "tiny-switchhead",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--vocab-size",
+            "400",
+            "--steps",
+            "100000",
+            "--batch-size",
+            "4",
+            "--log-every",
+            "1",
+            "--save-every",
+            "100000",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--no-progress",
+        ]
+    )
+    _wait_for(out / "metrics.jsonl", proc)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert 0 < state["step"] < 100000 and "interrupted after step" in err
+    assert max(_losses(out)) == state["step"]
+    model, sp = switchhead.load(out / "checkpoint")
+    assert sp is not None and model.config.vocab_size == sp.get_piece_size()
