@@ -175,6 +175,8 @@ def train(ctx, **params):
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("--ckpt", type=click.Path(), help="Checkpoint directory (with tokenizer.model).")
+@click.option("--onnx", "onnx_dir", type=click.Path(),
+              help="Directory written by `switchhead export --onnx` (runs on ONNX Runtime instead of PyTorch).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
@@ -191,8 +193,8 @@ def train(ctx, **params):
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often faster "
               "for small models or on a busy machine).")
-def generate(prompt, ckpt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop,
-             prompts_file, batch_size, as_json, device, threads):
+def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+             stop, prompts_file, batch_size, as_json, device, threads):
     """Continue PROMPT (or stdin) with a trained model, streaming the text."""
     from switchhead.runtime.commands import run_generate
     from switchhead.runtime.sampling import SamplingParams
@@ -210,7 +212,7 @@ def generate(prompt, ckpt, max_new_tokens, temperature, top_k, top_p, min_p, rep
         click.echo(text, nl=False)
         sys.stdout.flush()
 
-    run_generate(prompt, ckpt, params, prompts_file, as_json, device, batch_size, write)
+    run_generate(prompt, ckpt, params, prompts_file, as_json, device, batch_size, write, onnx_dir=onnx_dir)
 
 
 @main.command("eval")

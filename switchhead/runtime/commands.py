@@ -26,9 +26,18 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def load_generator(ckpt: str | None, device: str | None = None) -> Generator:
+def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | None = None) -> Generator:
     from switchhead.model.checkpoint import load
 
+    if ckpt and onnx_dir:
+        raise SwitchheadError("give --ckpt or --onnx, not both")
+    if onnx_dir:
+        from switchhead.export import load_backend
+
+        backend = load_backend(onnx_dir)
+        if backend.tokenizer is None:
+            raise SwitchheadError(f"{onnx_dir} has no tokenizer.model; generation needs one to read text")
+        return Generator(backend, backend.tokenizer)
     if not ckpt:
         raise SwitchheadError("no model given: pass --ckpt DIR (there is no built-in default model yet)")
     model, tokenizer = load(ckpt, device=resolve_device(device))
@@ -70,7 +79,7 @@ def _is_json_object(line: str) -> bool:
 
 def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, prompts_file: str | None,
                  as_json: bool, device: str | None, batch_size: int, write: Callable[[str], None],
-                 stdin=None) -> None:
+                 stdin=None, onnx_dir: str | None = None) -> None:
     """Validate everything that can be checked cheaply before loading the model, then generate."""
     if batch_size < 1:
         raise SwitchheadError(f"batch-size must be >= 1, got {batch_size}")
@@ -80,7 +89,7 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
     if prompts is None and prompt is None:
         text = (stdin or sys.stdin).read()
         prompt = text[:-1] if text.endswith("\n") else text
-    gen = load_generator(ckpt, device)
+    gen = load_generator(ckpt, device, onnx_dir)
     if prompts is not None:
         for p in prompts:  # fail before spending time on the earlier batches
             gen.encode(p)

@@ -1,0 +1,124 @@
+"""`OnnxBackend`: the runtime's `Backend` over an exported directory, run by ONNX Runtime.
+
+Only the logits computation differs from `TorchBackend`: the engine, the XL cache, sampling and stopping are
+the runtime's own. Each step feeds the cache's whole 2T-slot window as the past (``plan.past_valid`` hides the
+slots that are empty or about to be overwritten), the step's tokens with ``plan.pos_q`` / ``plan.new_mask``, and
+writes ``present.*`` (this step's keys/values) back with ``cache.write``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from switchhead.errors import SwitchheadError
+from switchhead.export import schema
+from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE
+from switchhead.model.config import ModelConfig
+from switchhead.runtime.backends import Backend
+from switchhead.runtime.cache import XLCache
+from switchhead.runtime.engine import feed
+
+PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def _session(path: Path, providers: list[str] | None, threads: int | None):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    if providers is None:
+        providers = [p for p in PROVIDERS if p in ort.get_available_providers()]
+    # A GPU build of onnxruntime lists the CUDA EP even on machines without CUDA libraries, logs an error when
+    # it cannot load it and falls back to the CPU EP; that fallback is expected here, so keep it quiet.
+    quiet = "CUDAExecutionProvider" in providers
+    if quiet:
+        ort.set_default_logger_severity(4)
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+    except Exception as e:  # onnxruntime raises its own exception types; report them as a user error
+        raise SwitchheadError(f"ONNX Runtime cannot load {path}: {e}") from None
+    finally:
+        if quiet:
+            ort.set_default_logger_severity(2)
+
+
+class OnnxBackend(Backend):
+    """Runs an export directory (see docs/EXPORT.md) with ONNX Runtime: CUDA EP when available, else CPU.
+
+    Also callable as ``backend(input_ids, state) -> (logits, state)`` (the evaluator's interface), with the
+    XL cache as the state.
+    """
+
+    def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None):
+        path = Path(path)
+        if not (path / LAYOUT_FILE).is_file() or not (path / MODEL_FILE).is_file():
+            raise SwitchheadError(f"{path} is not a switchhead ONNX export (needs {MODEL_FILE} and {LAYOUT_FILE})")
+        self.layout = json.loads((path / LAYOUT_FILE).read_text())
+        if self.layout.get("format") != FORMAT:
+            raise SwitchheadError(f"{path}: unsupported export format {self.layout.get('format')!r}, "
+                                  f"expected {FORMAT!r}")
+        self.config = ModelConfig.from_json((path / CONFIG_FILE).read_text())
+        schema.register_schema()
+        self.session = _session(path / MODEL_FILE, providers, threads)
+        self.providers = self.session.get_providers()
+        self.device = torch.device("cpu")
+        self.dtype = torch.float16 if self.layout.get("dtype") == "fp16" else torch.float32
+        self.tokenizer = None
+        if (path / TOKENIZER_FILE).is_file():
+            import sentencepiece as spm
+
+            self.tokenizer = spm.SentencePieceProcessor(model_file=str(path / TOKENIZER_FILE))
+        n = self.config.n_layers
+        self._past = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(n)]
+        self._outputs = ["logits"] + [f"present.{i}.{kind}" for i in range(n) for kind in ("key", "value")]
+
+    @property
+    def chunk_len(self) -> int:
+        return self.config.chunk_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
+        plan = cache.plan
+        feeds = {
+            "input_ids": _np(ids.long()),
+            "position_ids": _np(plan.pos_q),
+            "attention_mask": _np(plan.new_mask),
+            "past_position_ids": _np(plan.pos_k),
+            "past_attention_mask": _np(plan.past_valid),
+        }
+        for i, (kname, vname) in enumerate(self._past):
+            k, v = cache.window(i)
+            feeds[kname], feeds[vname] = _np(k), _np(v)
+        out = self.session.run(self._outputs, feeds)
+        for i in range(self.config.n_layers):
+            cache.write(i, torch.from_numpy(out[1 + 2 * i]), torch.from_numpy(out[2 + 2 * i]))
+        return torch.from_numpy(out[0])
+
+    def __call__(self, input_ids: Tensor, state: XLCache | None = None) -> tuple[Tensor, XLCache]:
+        """Logits [B, t, vocab] of whole rows continuing the streams in `state` (a fresh cache if None)."""
+        cache = state if state is not None else self.new_cache(input_ids.shape[0])
+        logits = feed(self, cache, input_ids.tolist(), keep="all")
+        return torch.stack(logits), cache
+
+
+def _np(t: Tensor) -> np.ndarray:
+    # numpy views share memory with CPU tensors, so the cache window is not copied here.
+    return t.detach().cpu().contiguous().numpy()
+
+
+def load_backend(path: str | Path, providers: list[str] | None = None, threads: int | None = None) -> OnnxBackend:
+    """The backend for ``switchhead generate --onnx DIR`` (the tokenizer is ``backend.tokenizer``)."""
+    if not Path(path).is_dir():
+        raise SwitchheadError(f"ONNX export directory not found: {path}")
+    return OnnxBackend(path, providers, threads)

@@ -1,0 +1,328 @@
+"""ONNX export: graph structure, parity with PyTorch for every architecture, the ORT backend in the shared
+engine, int8 quantisation, the CLI and its errors.
+
+Exports take seconds each, so every exported directory is a module-scoped fixture shared by the tests, and the
+architecture variants use one-layer versions of the tiny presets.
+"""
+
+import io
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import sentencepiece as spm
+import torch
+from click.testing import CliRunner
+
+import switchhead
+from switchhead import PRESETS, TransformerLM
+from switchhead.cli import main
+from switchhead.export import ExportError, OnnxBackend, export, load_backend, schema
+from switchhead.export.exporter import check_config
+from switchhead.runtime import Generator, SamplingParams, TorchBackend, feed
+
+WORDS = "a river runs past old mills where children play and boats drift slowly toward the sea".split()
+
+VARIANTS = {
+    "dense": PRESETS["tiny-transformer"].replace(n_layers=1),
+    "moa": PRESETS["tiny-moa"].replace(n_layers=1),
+    "switchall": PRESETS["tiny-switchall"].replace(n_layers=1),
+    # RoPE with every projection a mixture and one selection matrix shared by both sides.
+    "rope-vkqo-shared": PRESETS["tiny-switchhead-rope"].replace(n_layers=1, moe_projections=("v", "k", "q", "o"),
+                                                               shared_selection=True),
+    # RoPE without memory, only K a mixture (V dense but still routed by the source-side selection).
+    "rope-nomem-k": PRESETS["tiny-switchhead-rope-nomem"].replace(n_layers=1, moe_projections=("k",)),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors gain nothing from threads; on a shared 2-core machine spinning OpenMP threads slow every op.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        m.out.weight.mul_(3.0)  # peakier outputs, so greedy decoding is not dominated by near-ties
+    return m
+
+
+@pytest.fixture(scope="module")
+def sp():
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(300)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, vocab_size=300, model_type="bpe", byte_fallback=True,
+        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        hard_vocab_limit=False, character_coverage=1.0, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=buf.getvalue())
+
+
+@pytest.fixture(scope="module")
+def model(sp):
+    m = _model(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size()))
+    with torch.no_grad():
+        m.out.bias[sp.eos_id()] = -20.0  # generations run to their limit
+    return m
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, model, sp):
+    return switchhead.save(tmp_path_factory.mktemp("ck") / "model", model, sp)
+
+
+@pytest.fixture(scope="module")
+def exported(ckpt, tmp_path_factory):
+    """The main export, made through the CLI."""
+    out = tmp_path_factory.mktemp("onnx") / "tiny"
+    r = CliRunner().invoke(main, ["export", "--onnx", "--ckpt", str(ckpt), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "model.onnx" in r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def variant_exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("variants")
+    out = {}
+    for name, cfg in VARIANTS.items():
+        m = _model(cfg, seed=1)
+        out[name] = (m, export(None, root / name, model=m).out)
+    return out
+
+
+def _ids(vocab, batch, n, seed=0):
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _forward(model, ids):
+    with torch.no_grad():
+        return model(ids)[0]
+
+
+# --- graph structure ------------------------------------------------------------------------------------
+
+
+def test_graph_keeps_custom_op_with_its_function(exported):
+    proto = onnx.load(str(exported / "model.onnx"))
+    schema.register_schema()
+    onnx.checker.check_model(proto, full_check=True)
+    custom = [n for n in proto.graph.node if n.domain == schema.DOMAIN]
+    assert len(custom) == 2 * 2  # V and O projections of 2 layers: not inlined by the exporter
+    assert all(n.op_type == schema.OP for n in custom)
+    assert [(f.domain, f.name) for f in proto.functions] == [(schema.DOMAIN, schema.OP)]
+    assert {o.domain: o.version for o in proto.opset_import}[schema.DOMAIN] == 1
+    assert proto.ir_version <= 13
+
+
+def test_dynamic_axes_stay_symbolic(exported):
+    proto = onnx.load(str(exported / "model.onnx"))
+    dims = {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+            for vi in list(proto.graph.input) + list(proto.graph.output)}
+    assert dims["input_ids"] == ["batch", "seq"]
+    assert dims["past_key_values.1.value"] == ["batch", 2, "past", 16]
+    assert dims["present.0.key"] == ["batch", 2, "seq", 16]
+    assert dims["logits"] == ["batch", "seq", 300] or dims["logits"][:2] == ["batch", "seq"]
+
+
+def test_export_directory_contents(exported, sp):
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "layout.json", "model.onnx",
+                                                          "tokenizer.model"]
+    backend = load_backend(exported)
+    assert backend.layout["memory"]["cache_shape"] == ["batch", 2, 32, 16]
+    assert backend.tokenizer.encode("a river") == sp.encode("a river")
+    assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_function_body_matches_torch_op_in_every_regime():
+    """The FunctionProto alone, under ORT and the ONNX reference evaluator, for both formulations."""
+    from switchhead.kernels.reference import forward as reference_forward
+
+    schema.register_schema()
+    rng = np.random.default_rng(0)
+    for n_in, n_out, slots, experts in [(1, 2, 4, 8), (2, 1, 4, 8), (3, 1, 6, 5), (1, 3, 3, 4), (2, 2, 4, 3)]:
+        node = onnx.helper.make_node(schema.OP, ["X", "W", "I", "G"], ["Y"], domain=schema.DOMAIN, n_out=n_out)
+        graph = onnx.helper.make_graph([node], "g", [
+            onnx.helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, ["n", n_in, 6]),
+            onnx.helper.make_tensor_value_info("W", onnx.TensorProto.FLOAT, [experts, 6, 7]),
+            onnx.helper.make_tensor_value_info("I", onnx.TensorProto.INT64, ["n", slots]),
+            onnx.helper.make_tensor_value_info("G", onnx.TensorProto.FLOAT, ["n", slots])],
+            [onnx.helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, ["n", n_out, 7])])
+        proto = onnx.helper.make_model(graph, functions=[schema.function_proto()], ir_version=10, opset_imports=[
+            onnx.helper.make_opsetid("", 18), onnx.helper.make_opsetid(schema.DOMAIN, 1)])
+        onnx.checker.check_model(proto, full_check=True)
+        feeds = {"X": rng.standard_normal((5, n_in, 6), dtype=np.float32),
+                 "W": rng.standard_normal((experts, 6, 7), dtype=np.float32),
+                 "I": rng.integers(0, experts, (5, slots)), "G": rng.random((5, slots), dtype=np.float32)}
+        want = reference_forward(*(torch.from_numpy(feeds[k]) for k in "XWIG"), n_out).numpy()
+        got = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        ref = onnx.reference.ReferenceEvaluator(proto).run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(ref, want, atol=1e-5)
+
+
+def _step_feeds(cfg, ids, past_len=0):
+    """Raw graph inputs for a first step: `past_len` empty past slots, then the tokens at positions 0..t-1."""
+    b, t = ids.shape
+    heads = 1 if cfg.attention == "moa" else cfg.n_heads
+    feeds = {"input_ids": ids.numpy(), "position_ids": np.tile(np.arange(t), (b, 1)),
+             "attention_mask": np.ones((b, t), bool), "past_position_ids": np.zeros((b, past_len), np.int64),
+             "past_attention_mask": np.zeros((b, past_len), bool)}
+    for i in range(cfg.n_layers):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((b, heads, past_len, cfg.d_head), np.float32)
+    return feeds
+
+
+def test_empty_past_and_reference_evaluator(exported, model):
+    """An empty past (past = 0) is valid, and onnx.reference runs the model and agrees with PyTorch."""
+    ids = _ids(model.config.vocab_size, 2, 5)
+    want = _forward(model, ids).numpy()
+    feeds = _step_feeds(model.config, ids)
+    sess = ort.InferenceSession(str(exported / "model.onnx"), providers=["CPUExecutionProvider"])
+    out = sess.run(None, feeds)
+    np.testing.assert_allclose(out[0], want, atol=1e-4)
+    assert out[1].shape == (2, 2, 5, 16)  # present = this step's keys only
+    schema.register_schema()
+    ref = onnx.reference.ReferenceEvaluator(str(exported / "model.onnx")).run(["logits"], feeds)[0]
+    np.testing.assert_allclose(ref, want, atol=1e-4)
+
+
+# --- parity -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_main_parity_multi_chunk(exported, model, batch):
+    ids = _ids(model.config.vocab_size, batch, 2 * model.config.chunk_len + 7, seed=batch)
+    logits, cache = load_backend(exported)(ids)
+    assert (logits - _forward(model, ids)).abs().max() <= 1e-4
+    assert int(cache.seen[0]) == ids.shape[1]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_variant_parity_multi_chunk(variant_exports, name, batch):
+    m, path = variant_exports[name]
+    ids = _ids(m.config.vocab_size, batch, 2 * m.config.chunk_len + 9, seed=batch)
+    logits, _ = OnnxBackend(path)(ids)
+    assert (logits - _forward(m, ids)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["main", *VARIANTS])
+def test_ragged_steps_match_torch_backend(exported, model, variant_exports, name):
+    """Rows at different points of their chunks, padding slots and small steps, through the shared `feed`."""
+    m, path = (model, exported) if name == "main" else variant_exports[name]
+    ids = _ids(m.config.vocab_size, 3, 40, seed=7)
+    rows = [ids[0, :37].tolist(), ids[1, :11].tolist(), ids[2].tolist()]
+    onnx_backend, torch_backend = OnnxBackend(path), TorchBackend(m)
+    a = feed(onnx_backend, onnx_backend.new_cache(3), rows, step=6, keep="all")
+    b = feed(torch_backend, torch_backend.new_cache(3), rows, step=6, keep="all")
+    for x, y in zip(a, b):
+        assert (x - y).abs().max() <= 1e-4
+
+
+def test_greedy_generation_is_token_identical(exported, model, sp):
+    backend = load_backend(exported)
+    prompts = ["a river runs", "children play and", "boats"]
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)  # crosses chunk boundaries (T = 16)
+    onnx_out = Generator(backend, backend.tokenizer).generate(prompts, params)
+    torch_out = Generator(TorchBackend(model), sp).generate(prompts, params)
+    assert [g.tokens for g in onnx_out] == [g.tokens for g in torch_out]
+    assert all(len(g.tokens) == 40 for g in onnx_out)
+    assert len({tuple(g.tokens) for g in onnx_out}) > 1
+
+
+def test_generate_cli_with_onnx_matches_checkpoint(exported, ckpt):
+    args = ["generate", "a river runs", "--temperature", "0", "--max-new-tokens", "24", "--json"]
+    via_onnx = CliRunner().invoke(main, args + ["--onnx", str(exported)])
+    via_torch = CliRunner().invoke(main, args + ["--ckpt", str(ckpt)])
+    assert via_onnx.exit_code == 0 and via_torch.exit_code == 0, via_onnx.output + via_torch.output
+    assert json.loads(via_onnx.output)["text"] == json.loads(via_torch.output)["text"]
+    both = CliRunner().invoke(main, args + ["--onnx", str(exported), "--ckpt", str(ckpt)])
+    assert both.exit_code == 2 and "not both" in both.output
+
+
+# --- int8 ---------------------------------------------------------------------------------------------
+
+
+def test_int8_quantisation(exported, model, tmp_path):
+    q = export(None, tmp_path / "int8", model=model, quantize="int8")
+    fp32_size = (exported / "model.onnx").stat().st_size
+    assert q.model_bytes < 0.9 * fp32_size
+    proto = onnx.load(str(q.out / "model.onnx"))
+    assert any(n.domain == schema.DOMAIN for n in proto.graph.node)
+    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for n in proto.graph.node)
+    ids = _ids(model.config.vocab_size, 2, 40, seed=3)
+
+    def ppl(logits):
+        return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).exp())
+
+    fp32, int8 = ppl(_forward(model, ids)), ppl(OnnxBackend(q.out)(ids)[0])
+    assert abs(int8 / fp32 - 1) < 0.05
+
+
+# --- errors and the CLI ------------------------------------------------------------------------------
+
+
+def _no_output(path: Path) -> bool:
+    return not path.exists() and not [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "bf16"], "unsupported --dtype 'bf16'"),
+    (["--quantize", "int4"], "unsupported --quantize 'int4'"),
+    (["--dtype", "fp16", "--quantize", "int8"], "needs --dtype fp32"),
+    (["--opset", "17"], "unsupported --opset 17"),
+])
+def test_cli_rejects_unsupported_options(ckpt, tmp_path, args, message):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["export", "--onnx", "--ckpt", str(ckpt), "--out", str(out), *args])
+    assert r.exit_code == 2
+    assert message in r.output and r.output.count("\n") == 1
+    assert _no_output(out)
+
+
+def test_cli_needs_target_and_checkpoint(tmp_path):
+    r = CliRunner().invoke(main, ["export", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--onnx" in r.output
+    r = CliRunner().invoke(main, ["export", "--onnx", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--ckpt" in r.output
+    r = CliRunner().invoke(main, ["export", "--onnx", "--ckpt", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "not found" in r.output
+
+
+def test_unsupported_config_is_named():
+    cfg = PRESETS["tiny-switchhead"].replace(n_layers=1)
+    object.__setattr__(cfg, "attention", "linear")  # a kind a future config may add
+    with pytest.raises(ExportError, match="attention='linear'"):
+        check_config(cfg)
+
+
+def test_failed_export_leaves_nothing(tmp_path):
+    out = tmp_path / "broken"
+    model = _model(PRESETS["tiny-transformer"].replace(n_layers=1, d_model=32, d_head=8))  # the cheapest export
+
+    class NotATokenizer:
+        pass
+
+    with pytest.raises(AttributeError):
+        export(None, out, model=model, tokenizer=NotATokenizer())
+    assert _no_output(out)
+
+
+def test_refuses_to_overwrite_unrelated_directory(model, tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="refusing to overwrite"):
+        export(None, tmp_path / "precious", model=model)
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
