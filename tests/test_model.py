@@ -206,3 +206,18 @@ def test_relative_position_table_memo_is_never_stale():
         att.pos.weight.mul_(2)
         torch.testing.assert_close(att.rel_pos(6), 2 * first)
     assert att.rel_pos(6).requires_grad  # training: always recomputed, differentiable
+
+
+@pytest.mark.parametrize("name", ["tiny-switchhead", "tiny-switchall", "tiny-moa"])
+def test_bfloat16_autocast_trains_and_stays_close_to_float32(name):
+    cfg = PRESETS[name]
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.chunk_len))
+    want, _ = model(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = model(ids)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+    got.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -1,10 +1,17 @@
 """The top-k expert projection: the one op behind every mixture-of-experts projection in the model.
 
+    expert_projection(x, weight, index, gate, n_out) -> out
+
+    x      [N, I, D_in]      input rows (I rows per token)
+    weight [E, D_in, D_out]  expert matrices
+    index  [N, S] int64      expert of each (token, slot) pair, values in [0, E)
+    gate   [N, S] or None    multiplier of each pair (any float dtype; None = 1)
+    out    [N, R, D_out]     R = n_out; dtype of x
+
     out[n, s // (S/R)] += gate[n, s] * x[n, s // (S/I)] @ weight[index[n, s]]
 
-Shapes: x [N, I, D_in], weight [E, D_in, D_out], index [N, S] (int64, values in [0, E)), gate [N, S] or
-None (no gating), result [N, R, D_out] with R = n_out. I and R must divide S: slot s reads input row
-s // (S/I) and adds into output row s // (S/R). This covers every use in the model:
+I and R must divide S: slot s reads input row s // (S/I) and adds into output row s // (S/R). This covers every
+use in the model:
 
 - SwitchHead V (and K) projection: x [N, 1, d], S = H*k slots (head h owns slots h*k..h*k+k-1 and experts
   h*E..h*E+E-1), R = H: each head keeps its own value vector.
@@ -12,72 +19,102 @@ s // (S/I) and adds into output row s // (S/R). This covers every use in the mod
 - sigma-MoE up-projection: x [N, 1, d], S = k, gate None, R = k; down-projection: x [N, k, G], R = 1.
 - MoA query/output experts: x [N, 1, d], R = k; x [N, k, dh], R = 1.
 
-It is registered as the custom op ``switchhead::expert_projection`` (with a fake implementation and
-autograd) so that training, the runtime and the ONNX exporter all see the same node.
+It is registered as the custom op ``switchhead::expert_projection`` (fake implementation and autograd; the
+backward is the custom op ``switchhead::expert_projection_backward``) so that training, the runtime and the
+ONNX exporter all see the same node. Accumulation is in float32 (or wider) on every backend.
+
+Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`), anything else -> PyTorch
+(`torch_paths`, which picks a regime by shape). The environment variable ``SWITCHHEAD_KERNEL`` (read at
+every call) overrides this: ``triton`` (on CPU tensors this needs ``TRITON_INTERPRET=1``), ``torch``,
+``reference`` (`reference`: slow, obviously correct) or ``auto``/unset.
 """
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
+
 import torch
 from torch import Tensor
 
+from switchhead.errors import SwitchheadError
+from switchhead.kernels import reference, torch_paths
 
-def _check(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> tuple[int, int]:
-    n, i_rows, d_in = x.shape
-    e, w_in, _ = weight.shape
-    s = index.shape[1]
-    torch._check(w_in == d_in, lambda: f"weight D_in {w_in} != x D_in {d_in}")
-    torch._check(index.shape[0] == n, lambda: "index and x disagree on N")
-    torch._check(s % i_rows == 0 and s % n_out == 0, lambda: f"S={s} must be a multiple of I={i_rows} and R={n_out}")
+ENV_VAR = "SWITCHHEAD_KERNEL"
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+class KernelBackendError(SwitchheadError):
+    """An unknown or unusable value of SWITCHHEAD_KERNEL."""
+
+
+def backend_for(t: Tensor) -> str:
+    """The backend a call on tensors like `t` uses now: 'triton', 'torch' or 'reference'."""
+    choice = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise KernelBackendError(f"{ENV_VAR}={choice!r} is not one of {', '.join(BACKENDS)}")
+    if choice == "auto":
+        return "triton" if t.is_cuda else "torch"
+    return choice
+
+
+def _triton() -> ModuleType:
+    try:
+        from switchhead.kernels import triton_kernels
+    except ImportError as exc:  # triton is a Linux-only dependency
+        raise KernelBackendError(f"{ENV_VAR}=triton but triton cannot be imported: {exc}") from exc
+    return triton_kernels.load()
+
+
+def _check(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> None:
+    """Eager check on concrete shapes: one condition, one message (it runs on every call, also at batch-1 decode
+    where the whole op takes tens of microseconds)."""
+    ok = x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0
+    ok = ok and weight.shape[1] == x.shape[2] and index.shape[0] == x.shape[0] and x.dtype == weight.dtype
+    ok = ok and index.shape[1] % x.shape[1] == 0 and index.shape[1] % n_out == 0
+    ok = ok and (gate is None or gate.shape == index.shape)
+    torch._check(bool(ok), lambda: _shape_error(x, weight, index, gate, n_out))
+
+
+def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> None:
+    """The same conditions for fake tensors, one torch._check each: with symbolic sizes (export, compile)
+    every condition becomes a runtime assertion instead of a guard that would specialise the shape."""
+    msg = lambda: _shape_error(x, weight, index, gate, n_out)  # noqa: E731
+    torch._check(x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0, msg)
+    torch._check(x.dtype == weight.dtype, msg)
+    torch._check(weight.shape[1] == x.shape[2], msg)
+    torch._check(index.shape[0] == x.shape[0], msg)
+    torch._check(index.shape[1] % x.shape[1] == 0, msg)
+    torch._check(index.shape[1] % n_out == 0, msg)
     if gate is not None:
-        torch._check(gate.shape == index.shape, lambda: "gate and index shapes differ")
-    return s // i_rows, s // n_out
+        torch._check(gate.shape[0] == index.shape[0], msg)
+        torch._check(gate.shape[1] == index.shape[1], msg)
 
 
-def _pairs_by_expert(index: Tensor, n_experts: int) -> tuple[Tensor, list[int]]:
-    """Order of the flattened (token, slot) pairs grouped by expert, and the group sizes."""
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
-    return order, counts
-
-
-def _grouped_mm(rows: Tensor, order: Tensor, counts: list[int], weight: Tensor) -> Tensor:
-    """rows[p] @ weight[expert of p] for every pair p, one matmul per expert."""
-    out = rows.new_empty(rows.shape[0], weight.shape[-1])
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            sel = order[start : start + c]
-            out[sel] = rows[sel] @ weight[e]
-            start += c
-    return out
-
-
-def _expand_rows(t: Tensor, s: int, per: int) -> Tensor:
-    """[N, S/per, D] -> [N*S, D]: row r of each token repeated for its `per` slots."""
-    n, _, d = t.shape
-    return t.unsqueeze(2).expand(n, s // per, per, d).reshape(n * s, d)
-
-
-def expert_projection_torch(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
-    """Plain-PyTorch forward, grouped by expert."""
-    n_in_per, n_out_per = _check(x, weight, index, gate, n_out)
-    n, s = index.shape
-    order, counts = _pairs_by_expert(index, weight.shape[0])
-    y = _grouped_mm(_expand_rows(x, s, n_in_per), order, counts, weight)
-    if gate is not None:
-        y = y * gate.reshape(-1, 1).to(y.dtype)
-    return y.view(n, n_out, n_out_per, -1).sum(2)
+def _shape_error(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> str:
+    gate_shape = None if gate is None else tuple(gate.shape)
+    return (
+        f"expert_projection: expected x [N, I, D_in], weight [E, D_in, D_out] of x's dtype, index [N, S] and "
+        f"gate [N, S] or None, with I and R=n_out dividing S; got x {tuple(x.shape)} {x.dtype}, weight "
+        f"{tuple(weight.shape)} {weight.dtype}, index {tuple(index.shape)}, gate {gate_shape}, n_out {n_out}"
+    )
 
 
 @torch.library.custom_op("switchhead::expert_projection", mutates_args=())
 def expert_projection(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
-    return expert_projection_torch(x, weight, index, gate, n_out)
+    """See the module docstring: [N, I, D_in] x [E, D_in, D_out] -> [N, n_out, D_out]."""
+    _check(x, weight, index, gate, n_out)
+    backend = backend_for(x)
+    if backend == "triton":
+        return _triton().forward(x, weight, index, gate, n_out)
+    if backend == "reference":
+        return reference.forward(x, weight, index, gate, n_out)
+    return torch_paths.forward(x, weight, index, gate, n_out)
 
 
 @expert_projection.register_fake
 def _(x, weight, index, gate, n_out):
+    _check_symbolic(x, weight, index, gate, n_out)
     return x.new_empty(x.shape[0], n_out, weight.shape[-1])
 
 
@@ -86,28 +123,12 @@ def expert_projection_backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. x, weight and gate (the last is empty when not needed or gate is None)."""
-    n, s = index.shape
-    i_rows = x.shape[1]
-    n_in_per, n_out_per = s // i_rows, s // grad.shape[1]
-    order, counts = _pairs_by_expert(index, weight.shape[0])
-    xs = _expand_rows(x, s, n_in_per)
-    gy = _expand_rows(grad.contiguous(), s, n_out_per)
-    grad_gate = x.new_empty(0)
-    if gate is not None:
-        if need_gate_grad:
-            y = _grouped_mm(xs, order, counts, weight)
-            grad_gate = (y * gy).sum(-1).view(n, s).to(gate.dtype)
-        gy = gy * gate.reshape(-1, 1).to(gy.dtype)
-    grad_x = _grouped_mm(gy, order, counts, weight.transpose(1, 2))
-    grad_x = grad_x.view(n, i_rows, n_in_per, -1).sum(2).to(x.dtype)
-    grad_w = torch.zeros_like(weight)
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            sel = order[start : start + c]
-            grad_w[e] = (xs[sel].t() @ gy[sel]).to(weight.dtype)
-            start += c
-    return grad_x, grad_w, grad_gate
+    backend = backend_for(x)
+    if backend == "triton":
+        return _triton().backward(grad, x, weight, index, gate, need_gate_grad)
+    if backend == "reference":
+        return reference.backward(grad, x, weight, index, gate, need_gate_grad)
+    return torch_paths.backward(grad, x, weight, index, gate, need_gate_grad)
 
 
 @expert_projection_backward.register_fake
@@ -125,7 +146,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     x, weight, index, gate = ctx.saved_tensors
     need_gate = gate is not None and ctx.needs_input_grad[3]
-    grad_x, grad_w, grad_gate = expert_projection_backward(grad, x, weight, index, gate, need_gate)
+    grad_x, grad_w, grad_gate = expert_projection_backward(grad.contiguous(), x, weight, index, gate, need_gate)
     return grad_x, grad_w, None, grad_gate if need_gate else None, None
 
 

@@ -52,6 +52,17 @@ def init_(w: Tensor, fan_in: int, n_layers: int) -> Tensor:
     return nn.init.normal_(w, 0.0, math.sqrt(2 / n_layers) / math.sqrt(fan_in))
 
 
+def moe_project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    """The expert projection op; under autocast it computes in the autocast dtype, as F.linear does (custom ops
+    are not cast by autocast on their own)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        gate = None if gate is None else gate.to(dtype)
+    return expert_projection(x, weight, index, gate, n_out)
+
+
 def select_topk(x_ND: Tensor, w_sel: Tensor, n_groups: int, k: int) -> tuple[Tensor, Tensor]:
     """Non-competitive routing: per group, top-k of sigmoid(x W_sel) over its experts; the gate is the sigmoid
     value itself (no renormalisation). Returns global expert ids (group g owns g*E..g*E+E-1) and gates, [N, G*k].
@@ -169,7 +180,7 @@ class SwitchHeadAttention(AttentionBase):
         w = getattr(self, f"w_{name}")
         if route is None:
             return F.linear(x_ND, w).view(x_ND.shape[0], self.cfg.n_heads, self.cfg.d_head)
-        return expert_projection(x_ND[:, None], w, route[0], route[1], self.cfg.n_heads)
+        return moe_project(x_ND[:, None], w, route[0], route[1], self.cfg.n_heads)
 
     def route(self, x_ND: Tensor, side: str, batch: int = 1) -> tuple[Tensor, Tensor] | None:
         """(expert ids, gates) [N, H*k] for the source ('v') or destination ('o') side, or None if dense."""
@@ -196,7 +207,7 @@ class SwitchHeadAttention(AttentionBase):
         q = q.view(b, t, *q.shape[1:])
         a = self.mix(q, k, v, pos_q, pos_k, valid).reshape(b * t, -1, self.cfg.d_head)
         if self.cfg.is_moe("o"):
-            y = expert_projection(a, self.w_o, route[0], route[1], 1)
+            y = moe_project(a, self.w_o, route[0], route[1], 1)
         else:
             y = F.linear(a.flatten(1), self.w_o)
         return y.view(b, t, d)
@@ -263,9 +274,9 @@ class MoAAttention(AttentionBase):
         top, idx = logits.topk(self.cfg.k, dim=-1, sorted=False)
         gate = top.softmax(-1) if self.cfg.moa_gate == "softmax" else top.sigmoid()
         self._record_route("o", idx, gate, b, 1, self.cfg.n_experts)
-        q = expert_projection(x[:, None], self.w_q, idx, None, self.cfg.k) * self.scale
+        q = moe_project(x[:, None], self.w_q, idx, None, self.cfg.k) * self.scale
         a = self.mix(q.view(b, t, self.cfg.k, -1), k, v, pos_q, pos_k, valid)
-        return expert_projection(a.reshape(b * t, self.cfg.k, -1), self.w_o, idx, gate, 1).view(b, t, d)
+        return moe_project(a.reshape(b * t, self.cfg.k, -1), self.w_o, idx, gate, 1).view(b, t, d)
 
 
 
@@ -305,8 +316,8 @@ class SigmaMoE(nn.Module):
             for_topk = logits.masked_fill(drop, float("-inf"))
         idx = for_topk.topk(self.cfg.ff_k, dim=-1, sorted=False).indices
         gate = logits.gather(-1, idx).sigmoid()
-        h = F.relu(expert_projection(x[:, None], self.w1, idx, None, self.cfg.ff_k))
-        y = expert_projection(h, self.w2, idx, gate, 1)
+        h = F.relu(moe_project(x[:, None], self.w1, idx, None, self.cfg.ff_k))
+        y = moe_project(h, self.w2, idx, gate, 1)
         # Entropy regulariser: maximise the entropy of the batch-mean expert distribution.
         log_p = torch.logsumexp(logits.log_softmax(-1), 0) - math.log(logits.shape[0])
         self.last_aux = self.cfg.ff_entropy_coef * (log_p.exp() * log_p).sum()

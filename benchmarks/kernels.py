@@ -1,0 +1,202 @@
+"""Benchmark of the expert projection op (`switchhead.kernels.expert_projection`).
+
+    python benchmarks/kernels.py            # CPU table (and the GPU table when CUDA is available)
+    python benchmarks/kernels.py --quick    # fewer repeats
+
+CPU: every PyTorch regime (gather / dense / grouped) and the automatic choice, forward and forward+backward,
+against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
+GPU: the Triton op against a cuBLAS matmul of one expert's size over all N*S pairs (the same FLOPs without
+routing), forward and backward, fp16 and bf16, reported as % of cuBLAS speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from switchhead.kernels import expert_projection, torch_paths
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    d_in: int
+    d_out: int
+    n_in: int  # I
+    n_out: int  # R
+    heads: int  # groups of slots with their own experts (SwitchHead heads; 1 for sigma-MoE)
+    experts: int  # per group
+    k: int
+    gated: bool = True
+
+    @property
+    def slots(self) -> int:
+        return self.heads * self.k
+
+
+CASES = [
+    Case("47M V", 412, 76, 1, 2, 2, 5, 3),
+    Case("47M O", 76, 412, 2, 1, 2, 5, 3),
+    Case("262M V", 1024, 112, 1, 4, 4, 4, 2),
+    Case("262M O", 112, 1024, 4, 1, 4, 4, 2),
+    Case("sMoE up", 412, 128, 1, 4, 1, 16, 4, gated=False),
+    Case("sMoE down", 128, 412, 4, 1, 1, 16, 4),
+]
+
+
+def make_inputs(case: Case, n: int, dtype: torch.dtype, device: str, grad: bool = False):
+    """Inputs routed like the model: each head's slots pick k distinct experts among that head's E."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(n, case.n_in, case.d_in, generator=g).to(device, dtype)
+    w = (torch.randn(case.heads * case.experts, case.d_in, case.d_out, generator=g) / case.d_in**0.5).to(device, dtype)
+    scores = torch.rand(n, case.heads, case.experts, generator=g)
+    top = scores.topk(case.k, dim=-1).indices + torch.arange(case.heads).view(1, -1, 1) * case.experts
+    index = top.reshape(n, case.slots).to(device)
+    gate = torch.rand(n, case.slots, generator=g).to(device) if case.gated else None
+    if grad:
+        x.requires_grad_()
+        w.requires_grad_()
+        if gate is not None:
+            gate.requires_grad_()
+    return x, w, index, gate
+
+
+def interleaved_min_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall time in ms of each function, calling them in turn each round.
+
+    The machine is shared: interleaving exposes every candidate to the same background load, and the
+    minimum is the least disturbed run.
+    """
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {k: v * 1e3 for k, v in best.items()}
+
+
+def _call(fn: Callable, *args) -> Callable[[], object]:
+    return lambda: fn(*args)
+
+
+def _fwd_bwd(fn: Callable, args: tuple, wrt: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        out = fn(*args)
+        torch.autograd.grad(out, wrt, torch.ones_like(out))
+
+    return run
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+def _dense_equivalent(case: Case, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense matmul with the op's active FLOPs (N*S*D_in*D_out): the projection without routing."""
+    if case.n_out > 1:  # V-like: every token's input row goes through S experts' worth of columns
+        return torch.randn(n, case.d_in, requires_grad=True), torch.randn(
+            case.d_in, case.slots * case.d_out, requires_grad=True
+        )
+    return torch.randn(n, case.slots * case.d_in, requires_grad=True), torch.randn(
+        case.slots * case.d_in, case.d_out, requires_grad=True
+    )
+
+
+def cpu_table(ns: list[int], repeats: int) -> list[str]:
+    os.environ["SWITCHHEAD_KERNEL"] = "torch"
+    lines = [
+        "| case | N | matmul fwd ms | gather | dense | grouped | op (regime) | op / matmul "
+        "| matmul fwd+bwd ms | op fwd+bwd | op / matmul fwd+bwd |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    for case in CASES:
+        for n in ns:
+            x, w, index, gate = make_inputs(case, n, torch.float32, "cpu", grad=True)
+            args = (x, w, index, gate, case.n_out)
+            wrt = [x, w] + ([gate] if gate is not None else [])
+            xd, wd = _dense_equivalent(case, n)
+            regimes = ["dense", "grouped"] + (["gather"] if n * case.slots <= 4096 else [])  # gather: N*S matrices
+            with torch.no_grad():
+                fwd = {"matmul": _call(_matmul, xd, wd), "op": _call(expert_projection, *args)}
+                fwd.update({r: _call(torch_paths.FORWARD[r], *args) for r in regimes})
+                t = interleaved_min_ms(fwd, repeats)
+            tb = interleaved_min_ms(
+                {"matmul": _fwd_bwd(_matmul, (xd, wd), [xd, wd]), "op": _fwd_bwd(expert_projection, args, wrt)},
+                repeats,
+            )
+            regime = torch_paths.choose_regime(n, case.n_in, case.slots, case.n_out, case.heads * case.experts)
+            cols = " | ".join(f"{t[r]:.3f}" if r in t else "-" for r in ("gather", "dense", "grouped"))
+            lines.append(
+                f"| {case.name} | {n} | {t['matmul']:.3f} | {cols} | {t['op']:.3f} ({regime}) "
+                f"| {t['op'] / t['matmul']:.2f} | {tb['matmul']:.3f} | {tb['op']:.3f} | {tb['op'] / tb['matmul']:.2f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
+def gpu_table(ns: list[int]) -> list[str]:
+    from triton.testing import do_bench
+
+    lines = [
+        "| case | dtype | N | op fwd ms | cuBLAS fwd ms | fwd % of cuBLAS | op bwd ms | cuBLAS bwd ms | bwd % |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    os.environ["SWITCHHEAD_KERNEL"] = "triton"
+    for dtype in (torch.float16, torch.bfloat16):
+        for case in CASES:
+            for n in ns:
+                x, w, index, gate = make_inputs(case, n, dtype, "cuda", grad=True)
+                grads = [x, w] + ([gate] if gate is not None else [])
+                # One expert's matrix applied to all N*S pairs: the op's FLOPs without routing.
+                xd = torch.randn(n * case.slots, case.d_in, device="cuda", dtype=dtype, requires_grad=True)
+                wd = torch.randn(case.d_in, case.d_out, device="cuda", dtype=dtype, requires_grad=True)
+                out = expert_projection(x, w, index, gate, case.n_out)
+                dense = xd @ wd
+                go, gd = torch.randn_like(out), torch.randn_like(dense)
+                t_op = do_bench(_call(expert_projection, x, w, index, gate, case.n_out))
+                t_mm = do_bench(_call(_matmul, xd, wd))
+                t_op_b = do_bench(_call(torch.autograd.grad, out, grads, go, True))
+                t_mm_b = do_bench(_call(torch.autograd.grad, dense, [xd, wd], gd, True))
+                lines.append(
+                    f"| {case.name} | {str(dtype)[6:]} | {n} | {t_op:.4f} | {t_mm:.4f} | {100 * t_mm / t_op:.0f}% "
+                    f"| {t_op_b:.4f} | {t_mm_b:.4f} | {100 * t_mm_b / t_op_b:.0f}% |"
+                )
+                print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--n", type=int, nargs="*", default=[1, 16, 256, 4096], help="token counts")
+    parser.add_argument("--no-cpu", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
+    if not args.no_cpu:
+        print("\n## CPU (fp32, best of the interleaved repeats, ms)\n")
+        cpu_table(args.n, 5 if args.quick else 15)
+    if torch.cuda.is_available():
+        print(f"\n## GPU ({torch.cuda.get_device_name()})\n")
+        gpu_table([1, 256, 4096, 16384])
+    else:
+        print("\n(no CUDA device: GPU part not run)")
+
+
+if __name__ == "__main__":
+    main()

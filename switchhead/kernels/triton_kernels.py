@@ -1,0 +1,423 @@
+"""Triton kernels for the expert projection (the default for CUDA tensors; see `ops` for the semantics).
+
+Three kernels, each followed by its launcher:
+
+1. `_grouped_matmul_kernel` (forward, and gradient w.r.t. the input): the (token, slot) pairs are sorted by
+   expert and every expert's pairs are cut into BLOCK_M tiles, so each program runs one dense tile GEMM
+   against a single expert: no masked multi-expert loop, padding only in each expert's last tile. Rows are
+   gathered straight from x, the gate multiply and the slot/head reduction happen in the epilogue: no
+   [N, S, D_out] intermediate is ever written. When several slots feed one output row the epilogue adds into
+   an fp32 buffer with atomics: bitwise reproducible only while at most two slots share a row (fp32 addition
+   is commutative, not associative). The same kernel computes grad_x with the weight transposed,
+   and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the un-gated
+   grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
+2. `_weight_grad_kernel`: one program per (expert, D_in tile, D_out tile) walks that expert's pairs in a
+   fixed order: deterministic, no atomics (the authors' CVMM uses atomics here).
+3. `_gather_kernel` for a handful of tokens (batch-1 decode), where tiles of 64 sorted pairs would be almost
+   empty: one program per output row and column block loads the selected expert columns directly.
+
+Autotuning keys use the pair count rounded up to a power of two (`_bucket`), so a new sequence length does
+not trigger a new tuning run. Under TRITON_INTERPRET=1 (CPU tests) a single small config is used.
+
+TRITON_INTERPRET is read by ``triton.jit`` when this module is imported; `load` re-imports the module when
+the variable changed since, so tests can switch to the interpreter at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton import knobs
+
+from switchhead.kernels.ops import KernelBackendError
+
+_INTERPRETED: bool = knobs.runtime.interpret
+
+# Up to this many tokens the gather kernel runs the forward (no sorting, no tiles). A guess from the tile
+# geometry (a 64-row tile of sorted pairs is < 10% full below it); not measured on a GPU yet.
+GATHER_MAX_TOKENS = 8
+
+
+def load() -> ModuleType:
+    """This module, re-imported if TRITON_INTERPRET changed since it was imported."""
+    module = sys.modules[__name__]
+    if knobs.runtime.interpret != _INTERPRETED:
+        module = importlib.reload(module)
+    return module
+
+
+def _bucket(n: int) -> int:
+    """Autotune key for a row count: the next power of two, so nearby sizes share one tuning result."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # tl.dot rounds fp32 inputs to tf32 by default; follow torch's own setting so fp32 results match cuBLAS.
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    # The interpreter's tl.dot reads bf16 operands as raw integers (triton 3.7); widen them first there. On a GPU
+    # the bf16 dot stays on the tensor cores (its products are exact in fp32 either way).
+    return _INTERPRETED and dtype == torch.bfloat16
+
+
+def _matmul_configs() -> list[triton.Config]:
+    if _INTERPRETED:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1)]
+    shapes = [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for m, n, k, w, s in shapes
+    ]
+
+
+def _weight_grad_configs() -> list[triton.Config]:
+    if _INTERPRETED:
+        return [triton.Config({"BLOCK_P": 16, "BLOCK_K": 16, "BLOCK_N": 16}, num_warps=1)]
+    shapes = [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)]
+    return [
+        triton.Config({"BLOCK_P": p, "BLOCK_K": k, "BLOCK_N": n}, num_warps=w, num_stages=s) for p, k, n, w, s in shapes
+    ]
+
+
+def _min_block_n() -> int:
+    return min(c.kwargs["BLOCK_N"] for c in _matmul_configs())
+
+
+def _require_runnable(t: Tensor) -> None:
+    if not t.is_cuda and not _INTERPRETED:
+        raise KernelBackendError(
+            "the Triton kernels need CUDA tensors; set TRITON_INTERPRET=1 to run them (slowly) on the CPU"
+        )
+
+
+def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    """Pair ids (n*S + s) sorted by expert, and offsets[e]..offsets[e+1] = the pairs of expert e.
+
+    The sort is stable so that the weight gradient sums every expert's pairs in the same order each run.
+    Nothing is copied to the host: the kernels find their tiles from `offsets` themselves.
+    """
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    offsets = torch.zeros(n_experts + 1, dtype=torch.int32, device=index.device)
+    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=n_experts)[:n_experts], 0)
+    return order, offsets
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernels avoid triton.language's own @jit helpers (tl.cdiv, tl.zeros, tl.sum, tl.cumsum): when triton
+# was imported before TRITON_INTERPRET=1 was set (torch imports it early), those stay compiled-mode functions
+# that the interpreter cannot call. Builtins (tl.full, tl.reduce, tl.associative_scan, tl.dot) work in both.
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Grouped matmul over expert-sorted pairs (forward and grad_x)
+
+
+@triton.jit
+def _tile_owner(tile, offsets_ptr, n_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """Expert and pair range of the tile-th tile when every expert's pairs are cut into BLOCK_M tiles.
+
+    Computed per program from the [E+1] offsets (a vector scan over the experts) instead of a tile table
+    built on the host, which would need the counts copied to the host and a sync before every launch.
+    Returns expert -1 for the spare programs of the worst-case grid.
+    """
+    e = tl.arange(0, E_PAD)
+    lo = tl.load(offsets_ptr + e, mask=e < n_experts, other=0)
+    hi = tl.load(offsets_ptr + e + 1, mask=e < n_experts, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    last = tl.associative_scan(tiles, 0, _add)
+    first = last - tiles
+    hit = (tile >= first) & (tile < last)  # true for at most one expert
+    expert = tl.reduce(tl.where(hit, e + 1, 0), 0, _add) - 1
+    start = tl.reduce(tl.where(hit, lo + (tile - first) * BLOCK_M, 0), 0, _add)
+    end = tl.reduce(tl.where(hit, hi, 0), 0, _add)
+    return expert, start, end
+
+
+@triton.autotune(
+    configs=_matmul_configs(),
+    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_PER", "C_PER"],
+    # Tuning runs every config: with ATOMIC the output accumulates, and a config with narrower BLOCK_N fills
+    # more rows of the gate-gradient partials than the winner will; both are zeroed between runs.
+    reset_to_zero=["c_ptr", "gate_grad_ptr"],
+)
+@triton.jit
+def _grouped_matmul_kernel(
+    a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr, gate_ptr, partner_ptr, gate_grad_ptr,
+    n_experts, n_pairs, K_DIM, N_DIM, M_BUCKET, A_PER, C_PER,
+    stride_a, stride_we, stride_wk, stride_wn, stride_c, stride_partner,
+    HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    expert, start, end = _tile_owner(tl.program_id(0), offsets_ptr, n_experts, BLOCK_M, E_PAD)
+    if expert < 0:  # the grid is sized for the worst case (every expert ends in a partial tile)
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    pair = tl.load(order_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    # pair = n*S + s, and I, R divide S, so row n*I + s // (S/I) is simply pair // (S/I).
+    a_row = pair // A_PER
+    c_row = pair // C_PER
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N_DIM
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k in range(0, (K_DIM + BLOCK_K - 1) // BLOCK_K):
+        mask_k = offs_k < K_DIM - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    if GATE_GRAD:
+        # Partial <x row, un-gated grad_x contribution> over this column block; summed over blocks on the host
+        # side (a deterministic reduction of a [column blocks, pairs] buffer).
+        partner = tl.load(partner_ptr + c_row[:, None] * stride_partner + offs_n[None, :], mask=mask_c, other=0.0)
+        partial = tl.reduce(acc * partner.to(tl.float32), 1, _add)
+        tl.store(gate_grad_ptr + tl.program_id(1) * n_pairs + pair, partial, mask=mask_m)
+    if HAS_GATE:
+        acc *= tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + c_row[:, None] * stride_c + offs_n[None, :]
+    if ATOMIC:
+        # Several slots add into one output row (heads of O, slots of a head); c is an fp32 buffer.
+        tl.atomic_add(c_ptrs, acc, mask=mask_c)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+def _grouped_matmul(
+    a: Tensor,
+    a_per: int,
+    weight: Tensor,
+    transpose_weight: bool,
+    c_rows: int,
+    c_per: int,
+    order: Tensor,
+    offsets: Tensor,
+    gate: Tensor | None,
+    partner: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """c[pair // c_per] += gate[pair] * a[pair // a_per] @ W[expert(pair)] (W^T if transpose_weight).
+
+    Returns c (fp32 if rows receive several pairs, else a's dtype) and, when `partner` is given, the per-pair
+    dot product of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
+    """
+    n_experts = weight.shape[0]
+    k_dim, n_dim = a.shape[1], (weight.shape[1] if transpose_weight else weight.shape[2])
+    stride_wk, stride_wn = weight.stride(1), weight.stride(2)
+    if transpose_weight:
+        stride_wk, stride_wn = stride_wn, stride_wk
+    n_pairs = order.numel()
+    atomic = c_per > 1
+    c = (torch.zeros if atomic else torch.empty)(
+        c_rows, n_dim, dtype=torch.float32 if atomic else a.dtype, device=a.device
+    )
+    gate_grad = None
+    if partner is not None:
+        gate_grad = torch.zeros(triton.cdiv(n_dim, _min_block_n()), n_pairs, dtype=torch.float32, device=a.device)
+
+    def grid(meta: dict) -> tuple[int, int]:
+        tiles = triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
+        return tiles, triton.cdiv(n_dim, meta["BLOCK_N"])
+
+    _grouped_matmul_kernel[grid](
+        a, weight, c, order, offsets,
+        gate if gate is not None else a, partner if partner is not None else a,
+        gate_grad if gate_grad is not None else c,
+        n_experts, n_pairs, k_dim, n_dim, _bucket(n_pairs), a_per, c_per,
+        a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0),
+        partner.stride(0) if partner is not None else 0,
+        HAS_GATE=gate is not None, GATE_GRAD=partner is not None, ATOMIC=atomic, PRECISION=_precision(a.dtype),
+        DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts),
+    )  # fmt: skip
+    return c, (gate_grad.sum(0) if gate_grad is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Expert-grouped weight gradient (deterministic)
+
+
+@triton.autotune(configs=_weight_grad_configs(), key=["D_IN", "D_OUT", "M_BUCKET", "n_experts"])
+@triton.jit
+def _weight_grad_kernel(
+    x_ptr, g_ptr, gate_ptr, order_ptr, offsets_ptr, dw_ptr,
+    n_experts, D_IN, D_OUT, M_BUCKET, X_PER, G_PER,
+    stride_x, stride_g, stride_we, stride_wk, stride_wn,
+    HAS_GATE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    expert = tl.program_id(2)
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_k = offs_k < D_IN
+    mask_n = offs_n < D_OUT
+
+    # One program owns the whole [BLOCK_K, BLOCK_N] block of dW[expert] and visits the expert's pairs in
+    # sorted order, so the float summation order is fixed: bit-identical results run to run.
+    acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    for i in range(0, (end - start + BLOCK_P - 1) // BLOCK_P):
+        offs_p = start + i * BLOCK_P + tl.arange(0, BLOCK_P)
+        mask_p = offs_p < end
+        pair = tl.load(order_ptr + offs_p, mask=mask_p, other=0).to(tl.int64)
+        xt = tl.load(
+            x_ptr + (pair // X_PER)[None, :] * stride_x + offs_k[:, None],
+            mask=mask_k[:, None] & mask_p[None, :],
+            other=0.0,
+        )
+        g = tl.load(
+            g_ptr + (pair // G_PER)[:, None] * stride_g + offs_n[None, :],
+            mask=mask_p[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        if HAS_GATE:
+            gv = tl.load(gate_ptr + pair, mask=mask_p, other=0.0).to(tl.float32)
+            g = (g.to(tl.float32) * gv[:, None]).to(xt.dtype)
+        if DOT_FP32:
+            xt = xt.to(tl.float32)
+            g = g.to(tl.float32)
+        acc = tl.dot(xt, g, acc, input_precision=PRECISION)
+
+    dw_ptrs = dw_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
+
+
+def _weight_grad(
+    x2: Tensor, x_per: int, g2: Tensor, g_per: int, gate: Tensor | None, order: Tensor, offsets: Tensor, n_experts: int
+) -> Tensor:
+    d_in, d_out = x2.shape[1], g2.shape[1]
+    dw = torch.empty(n_experts, d_in, d_out, dtype=x2.dtype, device=x2.device)
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return triton.cdiv(d_in, meta["BLOCK_K"]), triton.cdiv(d_out, meta["BLOCK_N"]), n_experts
+
+    _weight_grad_kernel[grid](
+        x2, g2, gate if gate is not None else x2, order, offsets, dw,
+        n_experts, d_in, d_out, _bucket(order.numel()), x_per, g_per,
+        x2.stride(0), g2.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
+        HAS_GATE=gate is not None, PRECISION=_precision(x2.dtype), DOT_FP32=_dot_fp32(x2.dtype),
+    )  # fmt: skip
+    return dw
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. Gather path for a handful of tokens
+
+
+@triton.jit
+def _gather_kernel(
+    x_ptr, w_ptr, index_ptr, gate_ptr, out_ptr,
+    D_IN, D_OUT, X_PER, C_PER,
+    stride_x, stride_we, stride_wk, stride_wn, stride_out,
+    HAS_GATE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # Output row `row` = n*R + r receives the C_PER consecutive pairs row*C_PER .. row*C_PER + C_PER - 1:
+    # the slot reduction is a plain loop here, deterministic and without atomics.
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < D_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.full((BLOCK_N,), 0.0, tl.float32)
+    for j in range(0, C_PER):
+        pair = row * C_PER + j
+        expert = tl.load(index_ptr + pair)
+        x_row = x_ptr + (pair // X_PER) * stride_x
+        w_expert = w_ptr + expert * stride_we
+        part = tl.full((BLOCK_N,), 0.0, tl.float32)
+        for k in range(0, (D_IN + BLOCK_K - 1) // BLOCK_K):
+            mask_k = offs_k < D_IN - k * BLOCK_K
+            xv = tl.load(x_row + k * BLOCK_K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            w = tl.load(
+                w_expert + (k * BLOCK_K + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            part += tl.reduce(xv[:, None] * w.to(tl.float32), 0, _add)
+        if HAS_GATE:
+            part *= tl.load(gate_ptr + pair).to(tl.float32)
+        acc += part
+    tl.store(out_ptr + row * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _gather(x2: Tensor, x_per: int, weight: Tensor, index: Tensor, gate: Tensor | None, rows: int, c_per: int):
+    d_in, d_out = weight.shape[1], weight.shape[2]
+    out = torch.empty(rows, d_out, dtype=x2.dtype, device=x2.device)
+    block_k, block_n = (16, 16) if _INTERPRETED else (128, 32)
+    _gather_kernel[(rows, triton.cdiv(d_out, block_n))](
+        x2, weight, index, gate if gate is not None else x2, out,
+        d_in, d_out, x_per, c_per,
+        x2.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0),
+        HAS_GATE=gate is not None, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=1 if _INTERPRETED else 4,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry points used by `ops`
+
+
+def _rows(t: Tensor) -> Tensor:
+    """[N, rows, D] -> [N*rows, D] with unit stride along D (the kernels assume it)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    _require_runnable(x)
+    n, n_in, _ = x.shape
+    n_experts, _, d_out = weight.shape
+    slots = index.shape[1]
+    x2 = _rows(x)
+    flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
+    if n <= GATHER_MAX_TOKENS:
+        out = _gather(x2, slots // n_in, weight, index.reshape(-1).contiguous(), flat_gate, n * n_out, slots // n_out)
+        return out.view(n, n_out, d_out)
+    order, offsets = _sort_pairs(index, n_experts)
+    out, _ = _grouped_matmul(x2, slots // n_in, weight, False, n * n_out, slots // n_out, order, offsets, flat_gate)
+    return out.to(x.dtype).view(n, n_out, d_out)
+
+
+def backward(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    _require_runnable(x)
+    n, n_in, _ = x.shape
+    n_experts = weight.shape[0]
+    n_out, slots = grad.shape[1], index.shape[1]
+    x2, g2 = _rows(x), _rows(grad.to(x.dtype))
+    flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
+    order, offsets = _sort_pairs(index, n_experts)
+    want_gate_grad = gate is not None and need_gate_grad
+    grad_x, gate_grad = _grouped_matmul(
+        g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate,
+        partner=x2 if want_gate_grad else None,
+    )  # fmt: skip
+    grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
+    if gate_grad is not None:
+        grad_gate = gate_grad.view(n, slots).to(gate.dtype)
+    else:
+        grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
+    return grad_x.to(x.dtype).view_as(x), grad_w.to(weight.dtype), grad_gate

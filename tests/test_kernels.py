@@ -1,0 +1,320 @@
+"""Tests of the expert projection op (switchhead.kernels) on every backend.
+
+The Triton kernels run under the Triton interpreter (TRITON_INTERPRET=1, set per test with monkeypatch;
+`triton_kernels.load` re-imports the kernels when the variable changed since their import, because
+``triton.jit`` reads it at decoration time).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from switchhead.errors import SwitchheadError
+from switchhead.kernels import expert_projection, reference, torch_paths
+from switchhead.kernels.ops import KernelBackendError
+
+if sys.platform != "linux":
+    pytest.importorskip("triton")
+
+
+@dataclass(frozen=True)
+class Shape:
+    n: int
+    n_in: int  # I
+    slots: int  # S
+    n_out: int  # R
+    experts: int  # E
+    d_in: int
+    d_out: int
+    gated: bool = True
+    routing: str = "random"  # random | one_expert | some_empty
+
+    def __str__(self) -> str:
+        g = "gate" if self.gated else "nogate"
+        dims = f"N{self.n}-I{self.n_in}-S{self.slots}-R{self.n_out}-E{self.experts}"
+        return f"{dims}-{self.d_in}x{self.d_out}-{g}-{self.routing}"
+
+
+# S = G*k with G groups (heads) of k slots; I and R each in {1, G, S}. N = 1, small, not a multiple of 16.
+SHAPES = [
+    Shape(1, 1, 1, 1, 1, 8, 8),  # k=1, E=1, N=1
+    Shape(1, 2, 6, 1, 8, 12, 20),  # SwitchHead O at decode
+    Shape(3, 1, 4, 4, 5, 10, 9, gated=False),  # sigma-MoE up: R = S, no gate
+    Shape(5, 1, 6, 2, 8, 20, 12),  # SwitchHead V: I=1, R=G (k=3)
+    Shape(37, 2, 6, 1, 8, 12, 20),  # SwitchHead O: I=G, R=1 (k=3)
+    Shape(37, 1, 6, 2, 8, 20, 12, routing="one_expert"),
+    Shape(21, 4, 4, 1, 6, 9, 17, routing="some_empty"),  # sigma-MoE down: I = S, R = 1 (k=4)
+    Shape(19, 2, 2, 2, 3, 16, 16),  # I = R = S (k=1 per group)
+    Shape(17, 3, 3, 3, 4, 7, 18, gated=False, routing="some_empty"),
+    Shape(24, 1, 8, 1, 7, 18, 10),  # I=1, R=1, k=4, G=2
+    Shape(33, 2, 8, 4, 2, 11, 13, routing="one_expert"),  # I=G, R=S/2
+]
+REGIMES = ["gather", "dense", "grouped"]
+
+
+def make(shape: Shape, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape.n, shape.n_in, shape.d_in, generator=g, dtype=torch.float64)
+    w = torch.randn(shape.experts, shape.d_in, shape.d_out, generator=g, dtype=torch.float64) / shape.d_in**0.5
+    if shape.routing == "one_expert":
+        index = torch.full((shape.n, shape.slots), shape.experts - 1, dtype=torch.int64)
+    elif shape.routing == "some_empty":  # only the even experts are ever chosen
+        index = torch.randint(0, (shape.experts + 1) // 2, (shape.n, shape.slots), generator=g) * 2
+    else:
+        index = torch.randint(0, shape.experts, (shape.n, shape.slots), generator=g)
+    gate = torch.rand(shape.n, shape.slots, generator=g, dtype=torch.float64) if shape.gated else None
+    grad = torch.randn(shape.n, shape.n_out, shape.d_out, generator=g, dtype=torch.float64)
+    cast = [x.to(dtype), w.to(dtype), index, gate.float() if gate is not None else None, grad.to(dtype)]
+    return (x, w, index, gate, grad), cast
+
+
+def naive(x, w, index, gate, n_out):
+    """out[n, s // (S/R)] += gate[n, s] * x[n, s // (S/I)] @ w[index[n, s]], one (n, s) at a time."""
+    n_tokens, n_in, _ = x.shape
+    slots = index.shape[1]
+    rows = [[torch.zeros(w.shape[-1], dtype=x.dtype) for _ in range(n_out)] for _ in range(n_tokens)]
+    for n in range(n_tokens):
+        for s in range(slots):
+            y = x[n, s // (slots // n_in)] @ w[index[n, s]]
+            if gate is not None:
+                y = y * gate[n, s]
+            rows[n][s // (slots // n_out)] = rows[n][s // (slots // n_out)] + y
+    return torch.stack([torch.stack(r) for r in rows])
+
+
+def naive_all(shape: Shape, exact):
+    """Output and gradients (x, weight, gate) of the naive loop in float64."""
+    x, w, index, gate, grad = (
+        t.clone().requires_grad_(t.is_floating_point()) if t is not None else None for t in exact
+    )
+    out = naive(x, w, index, gate, shape.n_out)
+    wrt = [x, w] + ([gate] if gate is not None else [])
+    return [out.detach(), *torch.autograd.grad(out, wrt, grad)]
+
+
+def via_op(shape: Shape, cast):
+    x, w, index, gate, grad = (t.clone().requires_grad_(t.is_floating_point()) if t is not None else None for t in cast)
+    out = expert_projection(x, w, index, gate, shape.n_out)
+    wrt = [x, w] + ([gate] if gate is not None else [])
+    return [out.detach(), *torch.autograd.grad(out, wrt, grad)]
+
+
+def via_regime(shape: Shape, cast, regime: str):
+    x, w, index, gate, grad = cast
+    out = torch_paths.FORWARD[regime](x, w, index, gate, shape.n_out)
+    gx, gw, gg = torch_paths.BACKWARD[regime](grad, x, w, index, gate, True)
+    return [out, gx, gw] + ([gg] if gate is not None else [])
+
+
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (1e-2, 2e-2), torch.bfloat16: (4e-2, 8e-2)}
+
+
+def assert_matches(got, want, dtype):
+    rtol, atol = TOL[dtype]
+    names = ["out", "grad_x", "grad_weight", "grad_gate"]
+    assert len(got) == len(want)
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape, name
+        scale = max(w.abs().max().item(), 1.0)  # relative to the tensor's own magnitude
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol * scale, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    def use(name: str) -> None:
+        monkeypatch.setenv("SWITCHHEAD_KERNEL", name)
+        if name == "triton":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    return use
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", ["reference", "torch", "triton"])
+def test_op_matches_naive_loop(shape, name, backend):
+    backend(name)
+    exact, cast = make(shape)
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.float32)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("regime", REGIMES)
+def test_torch_regimes_match_naive_loop(shape, regime):
+    exact, cast = make(shape)
+    assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), torch.float32)
+
+
+HALF_SHAPES = [SHAPES[1], SHAPES[4], SHAPES[6]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=str)
+@pytest.mark.parametrize("regime", REGIMES)
+def test_torch_regimes_half(shape, regime, dtype):
+    exact, cast = make(shape, dtype)
+    got = via_regime(shape, cast, regime)
+    assert [t.dtype for t in got[:3]] == [dtype] * 3
+    assert_matches(got, naive_all(shape, exact), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=str)
+def test_triton_half(shape, dtype, backend):
+    backend("triton")
+    exact, cast = make(shape, dtype)
+    got = via_op(shape, cast)
+    assert [t.dtype for t in got[:3]] == [dtype] * 3
+    assert got[3].dtype == torch.float32  # the gate stays fp32 (the model routes in fp32)
+    assert_matches(got, naive_all(shape, exact), dtype)
+
+
+def test_triton_weight_grad_is_deterministic(backend):
+    backend("triton")
+    shape = Shape(45, 2, 6, 1, 3, 16, 24)  # many pairs per expert: several BLOCK_P chunks each
+    _, cast = make(shape)
+    first = via_op(shape, cast)
+    second = via_op(shape, cast)
+    assert torch.equal(first[2], second[2])
+    assert torch.equal(first[1], second[1]) and torch.equal(first[3], second[3])
+
+
+@pytest.mark.parametrize(
+    "shape, name", [(SHAPES[3], "torch"), (SHAPES[4], "torch"), (SHAPES[8], "torch"), (SHAPES[3], "reference")], ids=str
+)
+def test_opcheck(shape, name, backend):
+    backend(name)
+    _, (x, w, index, gate, grad) = make(shape)
+    x.requires_grad_()
+    w.requires_grad_()
+    if gate is not None:
+        gate.requires_grad_()
+    torch.library.opcheck(torch.ops.switchhead.expert_projection.default, (x, w, index, gate, shape.n_out))
+    torch.library.opcheck(
+        torch.ops.switchhead.expert_projection_backward.default,
+        (grad, x.detach(), w.detach(), index, gate.detach() if gate is not None else None, gate is not None),
+    )
+
+
+def test_opcheck_triton(backend):
+    backend("triton")
+    shape = Shape(9, 2, 4, 1, 3, 8, 8)  # N > 8: the sorted-tile kernels, not the gather kernel
+    _, (x, w, index, gate, grad) = make(shape)
+    args = (x.requires_grad_(), w.requires_grad_(), index, gate.requires_grad_(), shape.n_out)
+    torch.library.opcheck(torch.ops.switchhead.expert_projection.default, args)
+    torch.library.opcheck(
+        torch.ops.switchhead.expert_projection_backward.default,
+        (grad, x.detach(), w.detach(), index, gate.detach(), True),
+    )
+
+
+def test_autotune_key_buckets_token_counts(backend):
+    backend("triton")
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    assert [tk._bucket(n) for n in (1, 2, 3, 255, 256, 257, 4000)] == [1, 2, 4, 256, 256, 512, 4096]
+
+
+def test_auto_backend_on_cpu_is_torch(monkeypatch):
+    from switchhead.kernels.ops import backend_for
+
+    monkeypatch.delenv("SWITCHHEAD_KERNEL", raising=False)
+    assert backend_for(torch.zeros(1)) == "torch"
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", " Reference ")
+    assert backend_for(torch.zeros(1)) == "reference"
+
+
+def test_unknown_backend_is_a_clear_error(backend):
+    backend("cuda-magic")
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    with pytest.raises(SwitchheadError, match="SWITCHHEAD_KERNEL='cuda-magic' is not one of"):
+        expert_projection(x, w, index, gate, 2)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    with pytest.raises(KernelBackendError, match="TRITON_INTERPRET=1"):
+        expert_projection(x, w, index, gate, 2)
+
+
+def test_bad_shapes_are_rejected():
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    with pytest.raises(RuntimeError, match="dividing S.*n_out 4"):
+        expert_projection(x, w, index, gate, 4)  # R = 4 does not divide S = 6
+    with pytest.raises(RuntimeError, match=r"weight \(8, 19, 12\)"):
+        expert_projection(x, w[:, :-1], index, gate, 2)
+    with pytest.raises(RuntimeError, match="float64"):
+        expert_projection(x, w.double(), index, gate, 2)
+
+
+def test_reference_is_the_naive_loop():
+    # The reference path is the yardstick used elsewhere; check it separately, in float64 end to end.
+    exact, _ = make(SHAPES[4])
+    x, w, index, gate, grad = exact
+    torch.testing.assert_close(reference.forward(x, w, index, gate, 1), naive(x, w, index, gate, 1))
+
+
+@pytest.mark.parametrize("preset", ["tiny-switchhead", "tiny-switchall"])
+def test_model_triton_equals_torch(preset, backend):
+    from switchhead import PRESETS, TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS[preset]).eval()
+    ids = torch.randint(0, PRESETS[preset].vocab_size, (1, 10))  # 10 tokens: past the gather path
+    results = {}
+    for name in ["torch", "triton"]:
+        backend(name)
+        model.zero_grad()
+        logits, _ = model(ids)
+        logits.float().pow(2).mean().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results[name] = (logits.detach(), grads)
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-4, atol=1e-5)
+    assert results["triton"][1].keys() == results["torch"][1].keys()
+    for k, g in results["torch"][1].items():
+        torch.testing.assert_close(results["triton"][1][k], g, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _compile_for_gpu(jit_fn, pointers: dict[str, str], constexprs: dict, arch: int, **options) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in jit_fn.arg_names}
+    const = {(jit_fn.arg_names.index(name),): value for name, value in constexprs.items()}
+    triton.compile(ASTSource(jit_fn, signature, const), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_triton_kernels_compile_for_gpu(dtype, monkeypatch):
+    """The interpreter skips Triton's compiler; compile every kernel to a real sm_90 binary (no GPU needed)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    assert not tk._INTERPRETED
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    ptrs = {"order_ptr": "*i32", "offsets_ptr": "*i32", "gate_ptr": "*fp32", "gate_grad_ptr": "*fp32", "c_ptr": "*fp32"}
+    ptrs.update(
+        {name: f"*{dtype}" for name in ["a_ptr", "w_ptr", "partner_ptr", "x_ptr", "g_ptr", "dw_ptr", "out_ptr"]}
+    )
+    flags = {"HAS_GATE": True, "GATE_GRAD": True, "ATOMIC": True, "PRECISION": precision, "DOT_FP32": False}
+    tiles = {"E_PAD": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+    _compile_for_gpu(tk._grouped_matmul_kernel.fn, ptrs, {**flags, **tiles}, 90, num_warps=4, num_stages=3)
+    wg_consts = {
+        "HAS_GATE": True,
+        "PRECISION": precision,
+        "DOT_FP32": False,
+        "BLOCK_P": 32,
+        "BLOCK_K": 64,
+        "BLOCK_N": 64,
+    }
+    _compile_for_gpu(tk._weight_grad_kernel.fn, ptrs, wg_consts, 90, num_warps=4, num_stages=3)
+    ptrs["index_ptr"] = "*i64"
+    _compile_for_gpu(tk._gather_kernel, ptrs, {"HAS_GATE": True, "BLOCK_K": 128, "BLOCK_N": 32}, 90, num_warps=4)
