@@ -218,6 +218,7 @@ def test_bfloat16_autocast_trains_and_stays_close_to_float32(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, _ = model(ids)
     assert got.dtype == torch.bfloat16
-    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+    # Mean, not max: bf16 rounding upstream can legitimately flip a near-tie expert choice for a token.
+    assert (got.float() - want).abs().mean() < 0.02 * want.abs().mean()
     got.float().logsumexp(-1).mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

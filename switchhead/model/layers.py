@@ -63,11 +63,17 @@ def moe_project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n
     return expert_projection(x, weight, index, gate, n_out)
 
 
+def routing_logits(x_ND: Tensor, w_sel: Tensor) -> Tensor:
+    """Selection logits in (at least) float32, autocast or not: low-precision logits flip top-k choices."""
+    with torch.autocast(x_ND.device.type, enabled=False):
+        return F.linear(wide(x_ND), wide(w_sel))
+
+
 def select_topk(x_ND: Tensor, w_sel: Tensor, n_groups: int, k: int) -> tuple[Tensor, Tensor]:
     """Non-competitive routing: per group, top-k of sigmoid(x W_sel) over its experts; the gate is the sigmoid
     value itself (no renormalisation). Returns global expert ids (group g owns g*E..g*E+E-1) and gates, [N, G*k].
     Computed in float32 as in the paper."""
-    scores = torch.sigmoid(F.linear(wide(x_ND), wide(w_sel))).view(x_ND.shape[0], n_groups, -1)
+    scores = torch.sigmoid(routing_logits(x_ND, w_sel)).view(x_ND.shape[0], n_groups, -1)
     gate, idx = scores.topk(k, dim=-1, sorted=False)
     idx = idx + torch.arange(n_groups, device=idx.device)[:, None] * scores.shape[-1]
     return idx.flatten(1), gate.flatten(1)
@@ -270,7 +276,7 @@ class MoAAttention(AttentionBase):
     def attend(self, x_BTD, k, v, pos_q, pos_k, valid=None):
         b, t, d = x_BTD.shape
         x = x_BTD.reshape(b * t, d)
-        logits = F.linear(wide(x), wide(self.sel))
+        logits = routing_logits(x, self.sel)
         top, idx = logits.topk(self.cfg.k, dim=-1, sorted=False)
         gate = top.softmax(-1) if self.cfg.moa_gate == "softmax" else top.sigmoid()
         self._record_route("o", idx, gate, b, 1, self.cfg.n_experts)
@@ -309,7 +315,7 @@ class SigmaMoE(nn.Module):
     def forward(self, x_BTD: Tensor) -> Tensor:
         b, t, d = x_BTD.shape
         x = x_BTD.reshape(b * t, d)
-        logits = F.linear(wide(x), wide(self.sel))
+        logits = routing_logits(x, self.sel)
         for_topk = logits
         if self.training and self.cfg.ff_expert_dropout > 0:
             drop = torch.rand_like(logits) < self.cfg.ff_expert_dropout
