@@ -225,8 +225,11 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Sequences per forward pass.")
 @click.option("--output", type=click.Path(), help="Write lm-eval's results JSON here.")
 @click.option("--device", help="cpu, cuda, ...; default cpu.")
+@click.option("--threads", type=int, default=1, show_default=True, help="CPU threads for the forward passes: "
+              "evaluation is many small forwards, where more threads mostly add synchronisation (and thrash "
+              "on shared cores).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, no_progress):
+def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, threads, no_progress):
     """Zero-shot evaluation through lm-eval: LAMBADA (acc, perplexity), BLiMP (mean acc over the 67
     paradigms, and each paradigm), CBT (per-token-normalised acc and lm-eval's acc, mean over CN/NE/P/V)."""
     from switchhead.evals.run import evaluate, format_table, parse_tasks
@@ -235,7 +238,7 @@ def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, no_pro
     if (ckpt is None) == (onnx is None):
         raise SwitchheadError("give exactly one of --ckpt DIR or --onnx DIR")
     results = evaluate(names, ckpt=ckpt, onnx=onnx, data_dir=data_dir, limit=limit, batch_size=batch_size,
-                       output=output, progress=not no_progress, device=device)
+                       output=output, progress=not no_progress, device=device, threads=threads)
     click.echo(format_table(results))
     if output:
         click.echo(f"results written to {output}", err=True)

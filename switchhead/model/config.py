@@ -170,6 +170,9 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
             positional="rope", chunk_len=512, mem_chunks=0, grad_clip=0.1),
     _preset("switchall-47m", **{**_SH47, "grad_clip": 0.25}, k=3, ff="sigma_moe", ff_n_experts=16,
             ff_expert_size=128, ff_k=4, ff_entropy_coef=1e-4),
+    # The built-in default model: sized to train on two CPU cores in about two hours (bf16 autocast).
+    _preset("switchhead-small", vocab_size=8000, d_model=256, n_layers=6, d_ff=1024, n_heads=2, d_head=64,
+            n_experts=4, k=2, chunk_len=128, dropout=0.0, grad_clip=0.25),
     _preset("tiny-switchhead", **_TINY),
     _preset("tiny-transformer", **{**_TINY, "n_heads": 4}, attention="dense"),
     _preset("tiny-switchall", **_TINY, ff="sigma_moe", ff_n_experts=8, ff_expert_size=16, ff_k=2),

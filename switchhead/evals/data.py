@@ -1,0 +1,225 @@
+"""Evaluation data: local files in their original formats, or the Hugging Face hub when it is reachable.
+
+Layout of ``--data-dir DIR`` (the files as their authors released them):
+
+    DIR/lambada/lambada_test.jsonl            OpenAI's LAMBADA test set (5153 lines, field "text")
+    DIR/blimp/<paradigm>.jsonl                BLiMP, one file per paradigm (fields sentence_good, sentence_bad)
+    DIR/cbt/cbtest_{CN,NE,P,V}_test_2500ex.txt  Children's Book Test (CBTest.tgz, data/)
+
+The loaders below are called by lm-eval (``custom_dataset`` in the shipped task YAMLs) with the task's
+metadata as keyword arguments; ``data_dir`` arrives there from ``TaskManager(metadata={"data_dir": ...})``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from switchhead.errors import SwitchheadError
+
+BLIMP_PARADIGMS = (
+    "adjunct_island", "anaphor_gender_agreement", "anaphor_number_agreement", "animate_subject_passive",
+    "animate_subject_trans", "causative", "complex_NP_island",
+    "coordinate_structure_constraint_complex_left_branch", "coordinate_structure_constraint_object_extraction",
+    "determiner_noun_agreement_1", "determiner_noun_agreement_2", "determiner_noun_agreement_irregular_1",
+    "determiner_noun_agreement_irregular_2", "determiner_noun_agreement_with_adj_2",
+    "determiner_noun_agreement_with_adj_irregular_1", "determiner_noun_agreement_with_adj_irregular_2",
+    "determiner_noun_agreement_with_adjective_1", "distractor_agreement_relational_noun",
+    "distractor_agreement_relative_clause", "drop_argument", "ellipsis_n_bar_1", "ellipsis_n_bar_2",
+    "existential_there_object_raising", "existential_there_quantifiers_1", "existential_there_quantifiers_2",
+    "existential_there_subject_raising", "expletive_it_object_raising", "inchoative", "intransitive",
+    "irregular_past_participle_adjectives", "irregular_past_participle_verbs",
+    "irregular_plural_subject_verb_agreement_1", "irregular_plural_subject_verb_agreement_2",
+    "left_branch_island_echo_question", "left_branch_island_simple_question",
+    "matrix_question_npi_licensor_present", "npi_present_1", "npi_present_2", "only_npi_licensor_present",
+    "only_npi_scope", "passive_1", "passive_2", "principle_A_c_command", "principle_A_case_1",
+    "principle_A_case_2", "principle_A_domain_1", "principle_A_domain_2", "principle_A_domain_3",
+    "principle_A_reconstruction", "regular_plural_subject_verb_agreement_1",
+    "regular_plural_subject_verb_agreement_2", "sentential_negation_npi_licensor_present",
+    "sentential_negation_npi_scope", "sentential_subject_island", "superlative_quantifiers_1",
+    "superlative_quantifiers_2", "tough_vs_raising_1", "tough_vs_raising_2", "transitive", "wh_island",
+    "wh_questions_object_gap", "wh_questions_subject_gap", "wh_questions_subject_gap_long_distance",
+    "wh_vs_that_no_gap", "wh_vs_that_no_gap_long_distance", "wh_vs_that_with_gap",
+    "wh_vs_that_with_gap_long_distance",
+)
+CBT_SETS = ("CN", "NE", "P", "V")
+CBT_CANDIDATES = 10
+CBT_BLANK = "XXXXX"
+
+LAMBADA_FILE = "lambada/lambada_test.jsonl"
+HUB = {  # where lm-eval (or, for CBT, the datasets library) finds the same data on the hub
+    "lambada": ("EleutherAI/lambada_openai", "default", "test"),
+    "blimp": ("nyu-mll/blimp", None, "train"),
+    "cbt": ("cam-cbt/cbt", None, "test"),
+}
+LAYOUT_HELP = ("pass --data-dir DIR holding lambada/lambada_test.jsonl, blimp/<paradigm>.jsonl and "
+               "cbt/cbtest_{CN,NE,P,V}_test_2500ex.txt (see docs/EVAL.md)")
+
+
+def blimp_file(paradigm: str) -> str:
+    return f"blimp/{paradigm}.jsonl"
+
+
+def cbt_file(subset: str) -> str:
+    return f"cbt/cbtest_{subset}_test_2500ex.txt"
+
+
+def required_files(task: str) -> list[str]:
+    """Paths relative to the data directory that `task` (lambada, blimp or cbt) reads."""
+    if task == "lambada":
+        return [LAMBADA_FILE]
+    if task == "blimp":
+        return [blimp_file(p) for p in BLIMP_PARADIGMS]
+    if task == "cbt":
+        return [cbt_file(s) for s in CBT_SETS]
+    raise SwitchheadError(f"unknown task {task!r}")
+
+
+def check_data_dir(data_dir: str | Path, tasks: list[str]) -> Path:
+    """Fail early, with the first missing file named, instead of deep inside lm-eval."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise SwitchheadError(f"data directory not found: {root}")
+    for task in tasks:
+        missing = [f for f in required_files(task) if not (root / f).is_file()]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise SwitchheadError(f"{task}: missing {root / missing[0]}{more}; expected layout: {LAYOUT_HELP}")
+    return root
+
+
+def use_local_data() -> None:
+    """Keep `datasets` / `huggingface_hub` from touching the network (they read these at import time)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP connect to the hub, so that offline machines fail in seconds rather than after the
+    hub client's retry loops (about 25 s per dataset)."""
+    if _truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# --- parsers of the original files ------------------------------------------------------------------------
+
+def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise SwitchheadError(f"data file not found: {path}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SwitchheadError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in fields):
+                raise SwitchheadError(f"{path}:{n}: expected a JSON object with string field(s) {', '.join(fields)}")
+            rows.append({k: row[k] for k in fields})
+    if not rows:
+        raise SwitchheadError(f"{path}: no examples")
+    return rows
+
+
+def parse_cbt(path: str | Path) -> list[dict]:
+    """Examples of a CBT file: {"sentences": [20 context lines], "question", "answer", "options": [10]}.
+
+    Each example is 20 numbered context lines and a 21st line ``question<TAB>answer<TAB><TAB>c1|...|c10``,
+    examples separated by a blank line; the line numbers are dropped."""
+    path = Path(path)
+    if not path.is_file():
+        raise SwitchheadError(f"data file not found: {path}")
+    examples: list[dict] = []
+    block: list[tuple[int, str]] = []
+
+    def finish() -> None:
+        if not block:
+            return
+        first = block[0][0]
+        if len(block) != 21:
+            raise SwitchheadError(f"{path}:{first}: a CBT example has 21 numbered lines, this one has {len(block)}")
+        lines = []
+        for i, (n, line) in enumerate(block, 1):
+            num, _, text = line.partition(" ")
+            if num != str(i):
+                raise SwitchheadError(f"{path}:{n}: expected line number {i}, got {num!r}")
+            lines.append(text)
+        parts = lines[-1].split("\t")
+        if len(parts) != 4 or parts[2]:
+            raise SwitchheadError(f"{path}:{block[-1][0]}: expected 'question<TAB>answer<TAB><TAB>candidates'")
+        question, answer, _, cands = parts
+        options = cands.split("|")
+        if len(options) != CBT_CANDIDATES or answer not in options or CBT_BLANK not in question:
+            raise SwitchheadError(f"{path}:{block[-1][0]}: expected {CBT_CANDIDATES} candidates containing the "
+                                  f"answer and a question with the blank {CBT_BLANK}")
+        examples.append({"sentences": lines[:20], "question": question, "answer": answer, "options": options})
+        block.clear()
+
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if line.strip():
+                block.append((n, line))
+            else:
+                finish()
+    finish()
+    if not examples:
+        raise SwitchheadError(f"{path}: no CBT examples")
+    return examples
+
+
+# --- loaders called by lm-eval ----------------------------------------------------------------------------
+
+def _dataset(split: str, rows: list[dict]):
+    import datasets
+
+    return datasets.DatasetDict({split: datasets.Dataset.from_list(rows)})
+
+
+def _hub(task: str, name: str | None, what: str):
+    path, default_name, split = HUB[task]
+    if not hub_reachable():
+        raise SwitchheadError(f"{what}: no data directory given and the Hugging Face hub is unreachable; "
+                              f"{LAYOUT_HELP}")
+    import datasets
+
+    try:
+        return datasets.load_dataset(path, name or default_name)
+    except Exception as e:  # the hub client raises many unrelated types (HTTP, file, config errors)
+        raise SwitchheadError(f"{what}: could not load {path} from the hub ({type(e).__name__}: {e}); "
+                              f"{LAYOUT_HELP}") from None
+
+
+def load_lambada(data_dir: str | None = None, **_):
+    if not data_dir:
+        return _hub("lambada", None, "lambada")
+    return _dataset("test", read_jsonl(Path(data_dir) / LAMBADA_FILE, ("text",)))
+
+
+def load_blimp(paradigm: str, data_dir: str | None = None, **_):
+    if not data_dir:
+        return _hub("blimp", paradigm, f"blimp {paradigm}")
+    return _dataset("train", read_jsonl(Path(data_dir) / blimp_file(paradigm), ("sentence_good", "sentence_bad")))
+
+
+def load_cbt(subset: str, data_dir: str | None = None, **_):
+    if not data_dir:
+        return _hub("cbt", subset, f"cbt {subset}")
+    return _dataset("test", parse_cbt(Path(data_dir) / cbt_file(subset)))

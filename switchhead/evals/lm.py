@@ -1,0 +1,323 @@
+"""lm-eval model class over a switchhead model (registered as ``switchhead``).
+
+Conventions (docs/EVAL.md explains them for readers of results):
+- Every context starts a new document: the tokenizer's EOS id (our document separator) is prepended, so the
+  first real token is scored given "start of document", exactly as the model saw document starts in training.
+- Long inputs are never truncated: they are fed in windows of whole chunks with the Transformer-XL memory
+  carried over, which is exactly the model's chunked forward.
+- The model is reached through one method, ``Backend.__call__(input_ids, state) -> (logits, state)``; the
+  PyTorch model and (once it exists) the ONNX runtime are two implementations of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from switchhead.errors import SwitchheadError
+
+# Bound on the logits materialised per forward call (floats), used to pick how many chunks one call covers.
+_LOGITS_BUDGET = 1 << 25
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_MAX_GEN_TOKS = 256
+
+_active: weakref.ref | None = None
+
+
+def active_model() -> SwitchheadLM:
+    """The SwitchheadLM that scored requests most recently (tasks need its tokenizer for per-token metrics)."""
+    model = _active() if _active is not None else None
+    if model is None:
+        raise SwitchheadError("this task's per-token metric needs a switchhead model (lm-eval model 'switchhead')")
+    return model
+
+
+class Backend(Protocol):
+    """What the evaluator needs from a model implementation."""
+
+    chunk_len: int
+    vocab_size: int
+
+    def __call__(self, input_ids: torch.Tensor, state: object | None) -> tuple[torch.Tensor, object | None]:
+        """Logits [B, T, vocab] for input_ids [B, T] (any T) continuing the streams summarised by `state`
+        (None: fresh streams), and the state after them. Calls always start at a chunk boundary."""
+        ...
+
+
+class TorchBackend:
+    def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.chunk_len = model.config.chunk_len
+        self.vocab_size = model.config.vocab_size
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, state):
+        return self.model(input_ids.to(self.device), state)
+
+
+def onnx_backend(path: str | Path):
+    """The ONNX backend from `switchhead.export`, looked up at call time so that it works as soon as the
+    export package provides `OnnxBackend` (constructed from the export directory; it must implement
+    `Backend` and carry the tokenizer as `.tokenizer`)."""
+    try:
+        export = importlib.import_module("switchhead.export")
+    except ImportError:
+        export = None
+    cls = getattr(export, "OnnxBackend", None)
+    if cls is None:
+        raise SwitchheadError("--onnx is not available yet: this installation's switchhead.export has no ONNX "
+                              "backend; evaluate the checkpoint with --ckpt instead")
+    if not Path(path).is_dir():
+        raise SwitchheadError(f"ONNX export directory not found: {path}")
+    backend = cls(path)
+    return backend, getattr(backend, "tokenizer", None)
+
+
+def _device(device: str | None) -> str:
+    # lm-eval's CLI passes device="cuda" by default; like its HF model, fall back to the CPU without one.
+    if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+        return "cpu"
+    return str(device)
+
+
+@register_model("switchhead")
+class SwitchheadLM(LM):
+    """lm-eval model over a switchhead checkpoint (``ckpt=DIR``), ONNX export (``onnx=DIR``), or objects
+    passed directly (``model=`` a TransformerLM or a Backend, ``tokenizer=`` a SentencePieceProcessor)."""
+
+    def __init__(self, ckpt: str | None = None, onnx: str | None = None, model=None, tokenizer=None,
+                 batch_size: int | str | None = DEFAULT_BATCH_SIZE, device: str | None = None,
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, progress: bool = True, **_ignored):
+        super().__init__()
+        if sum(x is not None for x in (ckpt, onnx, model)) != 1:
+            raise SwitchheadError("give exactly one of ckpt=DIR, onnx=DIR or model=")
+        device = _device(device)
+        if ckpt is not None:
+            from switchhead.model.checkpoint import load
+
+            model, ckpt_tokenizer = load(ckpt, device=device)
+            tokenizer = tokenizer or ckpt_tokenizer
+            backend = TorchBackend(model, device)
+        elif onnx is not None:
+            backend, onnx_tokenizer = onnx_backend(onnx)
+            tokenizer = tokenizer or onnx_tokenizer
+        elif isinstance(model, torch.nn.Module):
+            backend = TorchBackend(model, device)
+        else:
+            backend = model
+        if tokenizer is None:
+            raise SwitchheadError("evaluation needs the model's tokenizer, and none was found (a checkpoint keeps "
+                                  "it as tokenizer.model)")
+        if tokenizer.get_piece_size() > backend.vocab_size:
+            raise SwitchheadError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model only "
+                                  f"{backend.vocab_size} outputs")
+        if tokenizer.eos_id() < 0:
+            raise SwitchheadError("the tokenizer has no EOS id (the document separator evaluation relies on)")
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_id()
+        # SentencePiece's dummy prefix turns a document's first word "The" into "▁The", the same piece as
+        # " The" inside text; a leading space at a document start is therefore already represented.
+        first = tokenizer.encode("a", out_type=str)
+        self._dummy_prefix = bool(first) and first[0].startswith("\u2581")
+        # lm-eval may pass "auto" (a GPU memory probe); sequences here are short, a fixed size is fine.
+        auto = batch_size is None or str(batch_size).startswith("auto")
+        try:
+            self.batch_size = DEFAULT_BATCH_SIZE if auto else int(batch_size)
+        except ValueError:
+            raise SwitchheadError(f"batch size must be a positive integer, got {batch_size!r}") from None
+        if self.batch_size < 1:
+            raise SwitchheadError(f"batch size must be positive, got {batch_size}")
+        self.max_gen_toks = int(max_gen_toks)
+        self.progress = str(progress).lower() not in ("false", "0", "no")
+        self._activate()
+
+    def _activate(self) -> None:
+        global _active
+        _active = weakref.ref(self)
+
+    # --- tokenisation -----------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids with the EOS prefix, continuation ids), split where the text is split.
+
+        Trailing whitespace of the context moves to the continuation (as lm-eval does) so that the
+        continuation's first piece is the word with its space, as it is tokenised in running text."""
+        n_space = len(context) - len(context.rstrip())
+        if n_space:
+            context, continuation = context[:-n_space], context[-n_space:] + continuation
+        if not context:
+            if self._dummy_prefix and continuation.startswith(" "):
+                continuation = continuation[1:]
+            return [self.eos], self.encode(continuation) if continuation else []
+        ctx = self.encode(context)
+        whole = self.encode(context + continuation)
+        return [self.eos] + ctx, whole[len(ctx):]
+
+    def continuation_length(self, context: str, continuation: str) -> int:
+        return len(self.encode_pair(context, continuation)[1])
+
+    # --- scoring ----------------------------------------------------------------------------------------
+    def score(self, sequences: list[tuple[list[int], int]], desc: str = "scoring") -> list[tuple[float, bool]]:
+        """For each (tokens, n_context): the summed log-probability of tokens[n_context:] given what precedes
+        them, and whether each of those tokens is the argmax prediction. n_context >= 1."""
+        self._activate()
+        results: list[tuple[float, bool] | None] = [None] * len(sequences)
+        todo = []
+        for i, (tokens, n_ctx) in enumerate(sequences):
+            if n_ctx < 1:
+                raise ValueError("n_context must be >= 1 (a token to predict from)")
+            if len(tokens) <= n_ctx:
+                results[i] = (0.0, True)
+            else:
+                todo.append(i)
+        # Longest first: similar lengths share a batch (little padding) and memory problems show up at once.
+        todo.sort(key=lambda i: -len(sequences[i][0]))
+        with tqdm(total=len(sequences), desc=desc, disable=not self.progress, leave=False) as bar:
+            bar.update(len(sequences) - len(todo))
+            for start in range(0, len(todo), self.batch_size):
+                batch = todo[start:start + self.batch_size]
+                for i, r in zip(batch, self._score_batch([sequences[i] for i in batch])):
+                    results[i] = r
+                bar.update(len(batch))
+        return results  # type: ignore[return-value]
+
+    def _score_batch(self, seqs: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        T = self.backend.chunk_len
+        B, L = len(seqs), max(len(t) for t, _ in seqs)
+        # Right padding never influences real positions: attention is causal and chunks start at 0 for all.
+        ids = torch.full((B, L), self.eos, dtype=torch.long)
+        lengths = torch.tensor([len(t) for t, _ in seqs])
+        first = torch.tensor([n for _, n in seqs])  # index of the first scored token
+        for b, (t, _) in enumerate(seqs):
+            ids[b, :len(t)] = torch.tensor(t)
+        total = torch.zeros(B, dtype=torch.float64)
+        greedy = torch.ones(B, dtype=torch.bool)
+        window = T * max(1, _LOGITS_BUDGET // (B * T * self.backend.vocab_size))
+        state = None
+        n_inputs = L - 1  # the last token is only a target
+        for s in range(0, n_inputs, window):
+            inp = ids[:, s:min(s + window, n_inputs)]
+            logits, state = self.backend(inp, state)
+            logits = torch.as_tensor(logits)
+            pos = torch.arange(s + 1, s + 1 + inp.shape[1])  # positions of the predicted tokens
+            mask = (pos[None, :] >= first[:, None]) & (pos[None, :] < lengths[:, None])
+            if not mask.any():
+                continue
+            rows = logits[mask.to(logits.device)].float()
+            targets = ids[:, s + 1:s + 1 + inp.shape[1]][mask].to(rows.device)
+            lp = rows.gather(1, targets[:, None])[:, 0] - rows.logsumexp(1)
+            hit = rows.argmax(1) == targets
+            owner = torch.arange(B)[:, None].expand_as(mask)[mask]
+            total.index_add_(0, owner, lp.double().cpu())
+            greedy &= torch.zeros(B, dtype=torch.long).index_add_(0, owner, (~hit).long().cpu()) == 0
+        return [(float(t), bool(g)) for t, g in zip(total, greedy)]
+
+    # --- lm-eval API ------------------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        seqs = []
+        for req in requests:
+            ctx, cont = self.encode_pair(*req.args[:2])
+            seqs.append((ctx + cont, len(ctx)))
+        return self._with_progress(disable_tqdm, self.score, seqs, "loglikelihood")
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Whole-document log-likelihood: every token scored, the first one given the EOS start token."""
+        seqs = []
+        for req in requests:
+            text = req.args[0]
+            if self._dummy_prefix and text.startswith(" "):
+                text = text[1:]
+            seqs.append(([self.eos] + self.encode(text), 1))
+        return [ll for ll, _ in self._with_progress(disable_tqdm, self.score, seqs, "loglikelihood_rolling")]
+
+    def _with_progress(self, disable: bool, fn, *args):
+        saved = self.progress
+        self.progress = saved and not disable
+        try:
+            return fn(*args)
+        finally:
+            self.progress = saved
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy decoding (sampling arguments are ignored) until a stop string, EOS or max_gen_toks.
+
+        Uses the runtime's cached generator (switchhead.runtime) in batches when the backend supports it,
+        else `greedy` below."""
+        self._activate()
+        jobs = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else [u for u in until if u]
+            jobs.append((context, tuple(until), int(kwargs.get("max_gen_toks", self.max_gen_toks))))
+        out: list[str | None] = [None] * len(jobs)
+        generator = self._generator()
+        bar = tqdm(total=len(jobs), desc="generate_until", disable=disable_tqdm or not self.progress, leave=False)
+        groups: dict[tuple, list[int]] = {}
+        for i, (context, until, max_new) in enumerate(jobs):
+            if generator is not None and context.strip():
+                groups.setdefault((until, max_new), []).append(i)
+            else:
+                out[i] = self.greedy(context, list(until), max_new)
+                bar.update(1)
+        for (until, max_new), idx in groups.items():
+            from switchhead.runtime import SamplingParams
+
+            params = SamplingParams(max_new_tokens=max(1, max_new), temperature=0.0, stop=until)
+            for start in range(0, len(idx), self.batch_size):
+                part = idx[start:start + self.batch_size]
+                for i, g in zip(part, generator.generate([jobs[i][0] for i in part], params)):
+                    out[i] = g.text
+                bar.update(len(part))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    def _generator(self):
+        """The runtime's Generator over this backend, or None when the runtime or a cache-capable backend is
+        missing (then `greedy` recomputes the current chunk per token)."""
+        try:
+            from switchhead.runtime import Backend as RuntimeBackend
+            from switchhead.runtime import Generator
+            from switchhead.runtime import TorchBackend as RuntimeTorchBackend
+        except ImportError:
+            return None
+        if isinstance(self.backend, RuntimeBackend):
+            backend = self.backend
+        elif isinstance(self.backend, TorchBackend):
+            backend = RuntimeTorchBackend(self.backend.model)
+        else:
+            return None
+        return Generator(backend, self.tokenizer)
+
+    def greedy(self, context: str, until: list[str], max_new: int) -> str:
+        """Greedy continuation of `context` (a new document). Full chunks are folded into the XL memory once;
+        only the current partial chunk is recomputed per token, which reproduces the chunked forward."""
+        T = self.backend.chunk_len
+        ids = [self.eos] + (self.encode(context) if context else [])
+        prefix = self.tokenizer.decode(ids[1:])
+        state, done, text = None, 0, ""
+        for _ in range(max_new):
+            while len(ids) - done > T:
+                _, state = self.backend(torch.tensor([ids[done:done + T]]), state)
+                done += T
+            logits, _ = self.backend(torch.tensor([ids[done:]]), state)
+            nxt = int(torch.as_tensor(logits)[0, -1].argmax())
+            if nxt == self.eos:
+                break
+            ids.append(nxt)
+            text = self.tokenizer.decode(ids[1:])[len(prefix):]
+            cut = [text.index(u) for u in until if u and u in text]
+            if cut:
+                return text[:min(cut)]
+        return text

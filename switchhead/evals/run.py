@@ -1,0 +1,119 @@
+"""`switchhead eval`: run the shipped tasks through lm-eval and summarise the results."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from switchhead.errors import SwitchheadError
+from switchhead.evals import data
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+# Short names used by the CLI -> the lm-eval task or group names shipped in TASKS_DIR. Prefixed so that they
+# never collide with lm-eval's own tasks when both are indexed (TaskManager with include_defaults=True).
+TASKS = {"lambada": "switchhead_lambada", "blimp": "switchhead_blimp", "cbt": "switchhead_cbt"}
+
+
+def parse_tasks(spec: str | list[str]) -> list[str]:
+    names = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
+    if not names:
+        raise SwitchheadError(f"no task given; choose from {', '.join(TASKS)}")
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise SwitchheadError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    return list(dict.fromkeys(names))
+
+
+def task_manager(data_dir: str | Path | None = None):
+    """An lm-eval TaskManager over the shipped tasks only (indexing lm-eval's thousands of YAML files costs
+    seconds and is not needed), with the data directory passed to the dataset loaders."""
+    from lm_eval.tasks import TaskManager
+
+    meta = {"data_dir": str(Path(data_dir).resolve())} if data_dir else {}
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=meta)
+
+
+def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | None = None, model=None,
+             tokenizer=None, data_dir: str | Path | None = None, limit: int | None = None,
+             batch_size: int = 64, output: str | Path | None = None, progress: bool = True,
+             bootstrap_iters: int = 0, device: str | None = None, threads: int | None = None) -> dict:
+    """Evaluate on the named tasks (lambada, blimp, cbt); returns lm-eval's results dict (also written to
+    `output` as JSON when given). Inputs are validated before anything slow happens. `threads` sets torch's
+    intra-op CPU threads for the process (None: leave as is)."""
+    names = parse_tasks(tasks)
+    if limit is not None and limit < 1:
+        raise SwitchheadError(f"--limit must be a positive number of examples per task, got {limit}")
+    if data_dir is not None:
+        data.check_data_dir(data_dir, names)
+        data.use_local_data()  # before lm_eval imports `datasets`
+    elif not data.hub_reachable():
+        raise SwitchheadError(f"no --data-dir given and the Hugging Face hub is unreachable; {data.LAYOUT_HELP}")
+    if ckpt is not None and not Path(ckpt).is_dir():
+        raise SwitchheadError(f"checkpoint directory not found: {ckpt}")
+    if output is not None and Path(output).is_dir():
+        raise SwitchheadError(f"--output must be a file path, {output} is a directory")
+
+    if threads is not None:
+        if threads < 1:
+            raise SwitchheadError(f"--threads must be at least 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+    from switchhead.evals.lm import SwitchheadLM
+
+    lm = SwitchheadLM(ckpt=ckpt, onnx=onnx, model=model, tokenizer=tokenizer, batch_size=batch_size,
+                      device=device, progress=progress)
+    import lm_eval
+
+    # lm-eval logs a warning per task for custom datasets and per-request details at INFO.
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir), limit=limit,
+        bootstrap_iters=bootstrap_iters, log_samples=False)
+    if results is None:  # non-zero ranks under torch.distributed
+        return {}
+    if output is not None:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(results, indent=2, default=_jsonable))
+    return results
+
+
+def _jsonable(o):
+    try:
+        return o.item()
+    except AttributeError:
+        return str(o)
+
+
+def summary_rows(results: dict) -> list[tuple[str, str, float, float | None]]:
+    """(task, metric, value, stderr) rows: each task or group in lm-eval's order, a group followed by its
+    members."""
+    res = results.get("results", {})
+    members = results.get("group_subtasks", {})
+    nested = {t for subs in members.values() for t in subs}
+    order: list[str] = []
+    for name in list(res) + list(members):
+        if name not in nested and name not in order:
+            order += [name] + [t for t in members.get(name, []) if t not in order]
+    rows = []
+    for task in order:
+        for key, value in res.get(task, {}).items():
+            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                continue
+            metric, filt = key.split(",", 1)
+            err = res[task].get(f"{metric}_stderr,{filt}")
+            rows.append((task, metric, float(value), err if isinstance(err, (int, float)) else None))
+    return rows
+
+
+def format_table(results: dict) -> str:
+    rows = summary_rows(results)
+    width = max([len("task")] + [len(r[0]) for r in rows])
+    lines = [f"{'task':{width}s}  {'metric':14s} {'value':>10s} {'stderr':>8s}"]
+    for task, metric, value, err in rows:
+        e = "-" if err is None or (isinstance(err, float) and math.isnan(err)) else f"{err:.4f}"
+        v = f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4e}"
+        lines.append(f"{task:{width}s}  {metric:14s} {v:>10s} {e:>8s}")
+    return "\n".join(lines)

@@ -1,0 +1,369 @@
+"""switchhead.evals: lm-eval results cross-checked against direct computations with the model's forward.
+
+Everything is synthetic and built here: a SentencePiece model trained on generated text, a tiny SwitchHead
+model (chunk_len 16) with one word favoured so that greedy checks are not all failures, and data files in the
+original formats written into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+
+import pytest
+import sentencepiece as spm
+import torch
+from click.testing import CliRunner
+
+from switchhead.cli import main
+from switchhead.errors import SwitchheadError
+from switchhead.evals import data
+from switchhead.model import PRESETS, TransformerLM, save
+
+NAMES = ["mary", "john", "alice", "tom", "lucy", "peter"]
+NOUNS = ["dog", "cat", "bird", "ball", "house", "tree", "garden", "river", "book", "apple"]
+VERBS = ["saw", "found", "liked", "chased", "painted", "carried"]
+FAVOURITE = "mary"
+IDIOMS = ["once upon a time", "the sun rises in the east", "the end of the story", "as quick as a fox"]
+
+
+def sentence(rng: random.Random) -> str:
+    if rng.random() < 0.3:
+        return rng.choice(IDIOMS) + " ."
+    return f"{rng.choice(NAMES)} {rng.choice(VERBS)} the {rng.choice(NOUNS)} ."
+
+
+def passage(rng: random.Random, n: int) -> str:
+    return " ".join(sentence(rng) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """(checkpoint dir, data dir, model, tokenizer)."""
+    # Two intra-op threads on two shared, busy cores make tiny forwards ~50x slower (measured: 1 s vs 20 ms).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("evals")
+    rng = random.Random(0)
+    corpus = [passage(rng, rng.randint(1, 6)) for _ in range(3000)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=buf, vocab_size=340, model_type="bpe", byte_fallback=True,
+        unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, character_coverage=1.0, hard_vocab_limit=False,
+        normalization_rule_name="identity", num_threads=1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size()))
+    # A random model almost never predicts a passage's last word; favouring one word-piece makes the greedy
+    # check succeed for the passages that end in that word and fail for the others (training would do the
+    # same but costs minutes on a loaded 2-core machine).
+    (favourite,) = sp.encode(FAVOURITE)
+    with torch.no_grad():
+        model.out.bias[favourite] += 12.0
+    model.eval()
+    ckpt = save(root / "ckpt", model, sp)
+
+    d = root / "data"
+    (d / "lambada").mkdir(parents=True)
+    with open(d / data.LAMBADA_FILE, "w") as f:
+        for i in range(24):
+            text = passage(rng, 1 + i % 5)  # mostly longer than one 16-token chunk
+            if i % 2:
+                text += " " + FAVOURITE
+            f.write(json.dumps({"text": text}) + "\n")
+    (d / "blimp").mkdir()
+    for j, p in enumerate(data.BLIMP_PARADIGMS):
+        with open(d / data.blimp_file(p), "w") as f:
+            for _ in range(2 + j % 4):  # unequal sizes: the group mean must be unweighted
+                good = sentence(rng)
+                words = good.split()
+                bad = " ".join(words[1:2] + words[:1] + words[2:]) if rng.random() < 0.5 else " ".join(words[::-1])
+                f.write(json.dumps({"sentence_good": good, "sentence_bad": bad, "UID": p}) + "\n")
+    (d / "cbt").mkdir()
+    for k, subset in enumerate(data.CBT_SETS):
+        (d / data.cbt_file(subset)).write_text(cbt_file_text(random.Random(k), 3))
+    yield ckpt, d, model, sp
+    torch.set_num_threads(threads)
+
+
+def cbt_file_text(rng: random.Random, n: int) -> str:
+    blocks = []
+    for _ in range(n):
+        lines = [f"{i} {sentence(rng)}" for i in range(1, 21)]
+        answer = rng.choice(NOUNS)
+        options = sorted(set(rng.sample(NOUNS, 9)) - {answer})[:9] + [answer]
+        while len(options) < 10:
+            options.append(rng.choice(NAMES))
+        question = f"{rng.choice(NAMES)} {rng.choice(VERBS)} the XXXXX near the river ."
+        lines.append(f"21 {question}\t{answer}\t\t{'|'.join(sorted(options))}")
+        blocks.append("\n".join(lines) + "\n")
+    return "\n".join(blocks) + "\n"
+
+
+# --- direct computations (model forward only) ---------------------------------------------------------------
+
+@torch.inference_mode()
+def token_logprobs(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(ids[t+1] | ids[:t+1]) and whether ids[t+1] is the argmax, for every t, from one forward call over
+    the whole sequence (the model chunks it with XL memory itself)."""
+    logits, _ = model(torch.tensor([ids[:-1]]))
+    lp = torch.log_softmax(logits[0].double(), -1)
+    tgt = torch.tensor(ids[1:])
+    return lp.gather(1, tgt[:, None])[:, 0], logits[0].argmax(-1) == tgt
+
+
+def direct_pair(model, sp, context: str, continuation: str) -> tuple[float, bool, int]:
+    """Sum log-prob, greedy flag and length of the continuation after EOS + context (split where the
+    text splits: the continuation starts with its space)."""
+    eos = sp.eos_id()
+    if context:
+        ctx = sp.encode(context)
+        whole = sp.encode(context + continuation)
+        assert whole[:len(ctx)] == ctx
+        ids, n = [eos] + whole, len(whole) - len(ctx)
+    else:  # at a document start the dummy prefix is the space
+        ids = [eos] + sp.encode(continuation.removeprefix(" "))
+        n = len(ids) - 1
+    lp, hit = token_logprobs(model, ids)
+    return float(lp[-n:].sum()), bool(hit[-n:].all()), n
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in open(path)]
+
+
+# --- the full lm-eval run, through lm-eval's own entry point and the registered model name ------------------
+
+@pytest.fixture(scope="module")
+def results(env):
+    ckpt, d, _, _ = env
+    import lm_eval
+
+    import switchhead.evals
+    from switchhead.evals.data import use_local_data
+
+    use_local_data()
+    res = lm_eval.simple_evaluate(
+        model="switchhead", model_args=f"ckpt={ckpt},progress=False", batch_size=5,
+        tasks=["switchhead_lambada", "switchhead_blimp", "switchhead_cbt"],
+        task_manager=switchhead.evals.task_manager(d), bootstrap_iters=0)
+    return res["results"]
+
+
+def test_lambada_matches_direct_greedy_check(env, results):
+    _, d, model, sp = env
+    accs, lls = [], []
+    for doc in read_jsonl(d / data.LAMBADA_FILE):
+        ctx, last = doc["text"].rsplit(" ", 1)
+        ll, hit, _ = direct_pair(model, sp, ctx, " " + last)
+        accs.append(hit)
+        lls.append(ll)
+    r = results["switchhead_lambada"]
+    assert 0 < sum(accs) < len(accs), "the test model should get some but not all passages right"
+    assert r["acc,none"] == pytest.approx(sum(accs) / len(accs), abs=1e-12)
+    assert r["perplexity,none"] == pytest.approx(math.exp(-sum(lls) / len(lls)), rel=1e-4)
+
+
+def test_blimp_matches_direct_pairwise_comparison(env, results):
+    _, d, model, sp = env
+    per_paradigm = {}
+    for p in data.BLIMP_PARADIGMS:
+        rows = read_jsonl(d / data.blimp_file(p))
+        correct = [direct_pair(model, sp, "", " " + r["sentence_good"])[0]
+                   > direct_pair(model, sp, "", " " + r["sentence_bad"])[0] for r in rows]
+        per_paradigm[p] = sum(correct) / len(correct)
+        assert results[f"switchhead_blimp_{p}"]["acc,none"] == pytest.approx(per_paradigm[p], abs=1e-12), p
+    values = list(per_paradigm.values())
+    assert len(set(values)) > 1
+    mean = sum(values) / len(values)
+    assert results["switchhead_blimp"]["acc,none"] == pytest.approx(mean, abs=1e-9)
+
+
+def test_cbt_parser(env):
+    _, d, _, _ = env
+    examples = data.parse_cbt(d / data.cbt_file("CN"))
+    assert len(examples) == 3
+    ex = examples[0]
+    assert len(ex["sentences"]) == 20 and len(ex["options"]) == 10 and ex["answer"] in ex["options"]
+    assert not ex["sentences"][0][0].isdigit(), "line numbers are dropped"
+    assert "XXXXX" in ex["question"]
+
+
+def test_cbt_parser_reads_the_original_format(tmp_path):
+    line21 = ("21 Do you think she will see that young XXXXX sitting under the tree ? '\tman\t\t"
+              "birds|food|maiden|man|middle|place|sight|south|wash|wings")
+    text = "\n".join([f"{i} Line {i} ." for i in range(1, 21)] + [line21]) + "\n\n"
+    path = tmp_path / "cbt.txt"
+    path.write_text(text * 2)
+    examples = data.parse_cbt(path)
+    assert len(examples) == 2
+    assert examples[0]["sentences"][19] == "Line 20 ."
+    assert examples[0]["answer"] == "man" and examples[0]["options"][3] == "man"
+    from switchhead.evals import prompts
+
+    assert prompts.cbt_context(examples[0]).endswith("Line 20 . Do you think she will see that young")
+    assert prompts.cbt_choices(examples[0])[3] == "man sitting under the tree ? '"
+    path.write_text(text.replace("\tman\t\t", "\tboy\t\t"))
+    with pytest.raises(SwitchheadError, match="candidates"):
+        data.parse_cbt(path)
+
+
+def test_cbt_scoring_matches_direct_computation(env, results):
+    _, d, model, sp = env
+    means = {"acc_per_token": [], "acc": []}
+    for subset in data.CBT_SETS:
+        tok_hits, raw_hits = [], []
+        for ex in data.parse_cbt(d / data.cbt_file(subset)):
+            before, after = ex["question"].split("XXXXX")
+            context = " ".join(ex["sentences"]) + " " + before.rstrip()
+            scores = [direct_pair(model, sp, context, " " + c + after) for c in ex["options"]]
+            gold = ex["options"].index(ex["answer"])
+            per_token = [ll / n for ll, _, n in scores]
+            tok_hits.append(max(range(10), key=per_token.__getitem__) == gold)
+            raw_hits.append(max(range(10), key=lambda i: scores[i][0]) == gold)
+        r = results[f"switchhead_cbt_{subset}"]
+        assert r["acc_per_token,none"] == pytest.approx(sum(tok_hits) / len(tok_hits), abs=1e-12)
+        assert r["acc,none"] == pytest.approx(sum(raw_hits) / len(raw_hits), abs=1e-12)
+        means["acc_per_token"].append(sum(tok_hits) / len(tok_hits))
+        means["acc"].append(sum(raw_hits) / len(raw_hits))
+    for metric, values in means.items():
+        assert results["switchhead_cbt"][f"{metric},none"] == pytest.approx(sum(values) / 4, abs=1e-9)
+
+
+# --- the model class directly -------------------------------------------------------------------------------
+
+class Req:
+    def __init__(self, *args):
+        self.args = args
+
+
+@pytest.fixture(scope="module")
+def lm(env):
+    from switchhead.evals import SwitchheadLM
+
+    _, _, model, sp = env
+    return SwitchheadLM(model=model, tokenizer=sp, batch_size=3, progress=False)
+
+
+def test_long_context_loglikelihood_equals_chunked_forward(env, lm):
+    _, _, model, sp = env
+    rng = random.Random(5)
+    reqs = [(passage(rng, n), " " + sentence(rng)) for n in (12, 1, 7, 3, 20)]
+    assert len(sp.encode(reqs[0][0])) > 4 * model.config.chunk_len
+    got = lm.loglikelihood([Req(c, x) for c, x in reqs])
+    for (ctx, cont), (ll, greedy) in zip(reqs, got):
+        want, want_greedy, _ = direct_pair(model, sp, ctx, cont)
+        assert ll == pytest.approx(want, abs=1e-4)
+        assert greedy == want_greedy
+    # a manual chunk loop that carries the memory: the definition of "XL memory, never truncated"
+    ids = [sp.eos_id()] + sp.encode(reqs[0][0] + reqs[0][1])
+    n = len(ids) - 1 - len(sp.encode(reqs[0][0]))
+    T, memory, parts = model.config.chunk_len, None, []
+    with torch.inference_mode():
+        for s in range(0, len(ids) - 1, T):
+            logits, memory = model(torch.tensor([ids[s:min(s + T, len(ids) - 1)]]), memory)
+            parts.append(logits[0])
+    lp = torch.log_softmax(torch.cat(parts).double(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert got[0][0] == pytest.approx(float(lp[-n:].sum()), abs=1e-4)
+
+
+def test_empty_context_and_rolling(env, lm):
+    _, _, model, sp = env
+    text = passage(random.Random(9), 8)
+    (ll, _), = lm.loglikelihood([Req("", " " + text)])
+    lp, _ = token_logprobs(model, [sp.eos_id()] + sp.encode(text))
+    assert ll == pytest.approx(float(lp.sum()), abs=1e-4)
+    rolling = lm.loglikelihood_rolling([Req(text), Req("tom saw the dog .")])
+    assert isinstance(rolling[0], float)
+    assert rolling[0] == pytest.approx(float(lp.sum()), abs=1e-4)
+
+
+def test_generate_until_equals_full_recompute(env, lm):
+    _, _, model, sp = env
+    context = passage(random.Random(3), 2) + " once upon"
+    out, = lm.generate_until([Req(context, {"until": ["\n"], "max_gen_toks": 40})])
+    ids = [sp.eos_id()] + sp.encode(context)
+    n_ctx = len(ids)
+    with torch.inference_mode():
+        for _ in range(40):
+            nxt = int(model(torch.tensor([ids]))[0][0, -1].argmax())
+            if nxt == sp.eos_id():
+                break
+            ids.append(nxt)
+    want = sp.decode(ids[1:])[len(sp.decode(ids[1:n_ctx])):]
+    assert out == want
+    assert lm.greedy(context, ["\n"], 40) == want, "the fallback without the runtime's cache"
+    assert len(sp.encode(context)) + 1 < 2 * model.config.chunk_len < len(ids), "crosses chunk boundaries"
+    stop = want.split()[1]
+    out2, = lm.generate_until([Req(context, {"until": [stop], "max_gen_toks": 40})])
+    assert out2 == want[:want.index(stop)]
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------
+
+def run_cli(*args):
+    return CliRunner().invoke(main, ["eval", *args])
+
+
+def test_cli_runs_and_writes_results(env, tmp_path):
+    ckpt, d, _, _ = env
+    out = tmp_path / "r.json"
+    r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(d), "--limit", "3",
+                "--output", str(out), "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "switchhead_lambada" in r.output and "perplexity" in r.output
+    saved = json.loads(out.read_text())
+    assert saved["results"]["switchhead_lambada"]["sample_len"] == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "lambada,squad"], "unknown task(s) squad"),
+    (["--tasks", ""], "no task given"),
+    (["--tasks", "blimp"], "exactly one of --ckpt"),
+    (["--tasks", "blimp", "--ckpt", "CKPT", "--onnx", "x"], "exactly one of --ckpt"),
+    (["--tasks", "blimp", "--ckpt", "CKPT", "--data-dir", "NOPE"], "data directory not found"),
+    (["--tasks", "cbt", "--ckpt", "CKPT", "--data-dir", "EMPTY"], "cbtest_CN_test_2500ex.txt"),
+    (["--tasks", "lambada", "--ckpt", "MISSING", "--data-dir", "DATA"], "checkpoint directory not found"),
+    (["--tasks", "lambada", "--ckpt", "EMPTY", "--data-dir", "DATA"], "config.json is missing"),
+    (["--tasks", "lambada", "--onnx", "EMPTY", "--data-dir", "DATA"], "ONNX"),
+    (["--tasks", "lambada", "--ckpt", "CKPT", "--data-dir", "DATA", "--limit", "0"], "--limit"),
+    (["--tasks", "lambada", "--ckpt", "CKPT", "--data-dir", "DATA", "--batch-size", "-1"], "batch size"),
+])
+def test_cli_errors(env, tmp_path, args, message):
+    ckpt, d, _, _ = env
+    (tmp_path / "empty").mkdir()
+    subst = {"CKPT": str(ckpt), "DATA": str(d), "EMPTY": str(tmp_path / "empty"), "NOPE": str(tmp_path / "nope"),
+             "MISSING": str(tmp_path / "missing")}
+    r = run_cli(*[subst.get(a, a) for a in args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+    assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("Error:"), r.output
+
+
+def test_cli_offline_without_data_dir_fails_fast(env, monkeypatch):
+    import time
+
+    ckpt, _, _, _ = env
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t = time.monotonic()
+    r = run_cli("--tasks", "blimp", "--ckpt", str(ckpt))
+    assert r.exit_code == 2 and "--data-dir" in r.output and "unreachable" in r.output, r.output
+    assert time.monotonic() - t < 5
+
+
+def test_bad_data_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(SwitchheadError, match=r"x.jsonl:2: not valid JSON"):
+        data.read_jsonl(path, ("text",))
+
+
+def test_cli_reports_a_broken_data_file_in_one_line(env, tmp_path):
+    ckpt, _, _, _ = env
+    (tmp_path / "lambada").mkdir()
+    (tmp_path / data.LAMBADA_FILE).write_text('{"text": "a b"}\nnot json\n')
+    r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(tmp_path), "--no-progress")
+    assert r.exit_code == 2 and "lambada_test.jsonl:2: not valid JSON" in r.output, r.output
