@@ -204,7 +204,7 @@ def render(results: dict, meta: dict) -> str:
             f"chunk, batch {a['batch_size']}, {a['steps']} steps ({meta['tokens_per_run']:,} tokens per model), "
             f"vocab {meta['vocab_size']}, lr {a['lr']} (warm-up {a['warmup']}, cosine), dropout {a['dropout']}; "
             f"{meta['machine']}, torch {meta['torch']}. MACs/floats: the paper's per-layer formulas "
-            "(DESIGN.md §1) for one T-token sequence with C=2 chunks of context.\n")
+            "for one T-token sequence with C=2 chunks of context.\n")
 
 
 if __name__ == "__main__":

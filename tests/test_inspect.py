@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from switchhead import PRESETS, TransformerLM, save
-from switchhead.cli import main
 from switchhead.analysis import collect, head_selection, selection_scores, windows
+from switchhead.cli import main
 from switchhead.model.tokenizer import train_tokenizer
 
 SMALL = PRESETS["tiny-switchhead"].replace(d_model=32, d_head=8, n_experts=4, k=2, chunk_len=6, n_layers=2,

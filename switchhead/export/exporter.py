@@ -1,4 +1,4 @@
-"""Export a `TransformerLM` decode step to ONNX (DESIGN.md §3, §4; file format in docs/EXPORT.md).
+"""Export a `TransformerLM` decode step to ONNX (file format in docs/EXPORT.md).
 
 The graph is one cached decode step of the same block code the model trains with (`TransformerLM.decode`),
 run against a cache stand-in that attends over ``concat(past, new)``:
@@ -35,7 +35,7 @@ MODEL_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.onnx", "layout.jso
 FORMAT = "switchhead-onnx/1"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 QUANTIZE = ("int8",)
-# ONNX Runtime 1.31 reads models up to IR version 13 (DESIGN §4); this is what onnx 1.23 writes for opset 18 anyway.
+# ONNX Runtime 1.31 reads models up to IR version 13; this is what onnx 1.23 writes for opset 18 anyway.
 IR_VERSION = 10
 DYNAMIC = ("batch", "seq", "past")
 # past + seq never exceeds this many chunks: the 2-chunk window plus one step of at most a chunk.
@@ -238,7 +238,7 @@ def _dims(vi: onnx.ValueInfoProto) -> list[str | int]:
 
 def _check_interface(proto: onnx.ModelProto, cfg: ModelConfig) -> None:
     """Every dynamic axis must still be symbolic: an axis fixed by the example input would silently restrict
-    the graph to that size (DESIGN §4)."""
+    the graph to that size."""
     heads = cache_heads(cfg)
     want = {"input_ids": ["batch", "seq"], "position_ids": ["batch", "seq"], "attention_mask": ["batch", "seq"],
             "past_position_ids": ["batch", "past"], "past_attention_mask": ["batch", "past"],

@@ -11,7 +11,7 @@ from switchhead.errors import ConfigError
 from switchhead.model.config import ModelConfig
 
 # Figures printed in the paper for its configurations (attention MACs and memory in floats, per layer and
-# sequence); None where the paper prints no number. See DESIGN.md §1.
+# sequence); None where the paper prints no number.
 PAPER_FIGURES: dict[str, dict[str, float | None]] = {
     "transformer-47m": {"macs": 453.4e6, "floats": 3.5e6},
     "transformer-47m-2head": {"macs": None, "floats": 1.36e6},

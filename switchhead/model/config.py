@@ -147,7 +147,7 @@ _BIG = dict(d_model=1024, n_layers=18, chunk_len=512, grad_clip=0.25, dropout=0.
 _TINY = dict(vocab_size=512, d_model=64, n_layers=2, d_ff=128, n_heads=2, d_head=16, n_experts=4, k=2,
              chunk_len=16, dropout=0.0, grad_clip=0.25)
 
-# Paper Table 9 rows (DESIGN.md §1), then the variants the paper compares, then tiny CPU models for tests.
+# Paper Table 9 rows, then the variants the paper compares, then tiny CPU models for tests.
 # d_head / d_ff of the derived baselines (marked "matched") were solved with `accounting.match_params`
 # against the SwitchHead model of the same size; tests check they still match within 2%.
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in [

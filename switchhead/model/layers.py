@@ -158,7 +158,7 @@ class AttentionBase(nn.Module):
 
 
 class SwitchHeadAttention(AttentionBase):
-    """H heads; any subset of V, K, Q, O is a top-k mixture of E experts per head (DESIGN §1)."""
+    """H heads; any subset of V, K, Q, O is a top-k mixture of E experts per head (docs/MODEL.md)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

@@ -1,4 +1,4 @@
-"""Fixed-window KV cache for Transformer-XL chunked attention (DESIGN.md §3).
+"""Fixed-window KV cache for Transformer-XL chunked attention (docs/MODEL.md).
 
 Layout, per layer: K and V buffers ``[batch, heads, 2T, d_head]`` (T = chunk_len; heads = 1 for MoA), the
 ``past_key_values.{i}.key|value`` layout of ONNX graphs. The 2T slots are two halves of T slots: one half holds
