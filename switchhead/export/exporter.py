@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from switchhead.errors import SwitchheadError
 from switchhead.export import schema
+from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 
@@ -44,10 +45,6 @@ MAX_WINDOW_CHUNKS = 3
 
 class ExportError(SwitchheadError):
     """A model, option or target the exporter cannot handle."""
-
-
-def cache_heads(cfg: ModelConfig) -> int:
-    return 1 if cfg.attention == "moa" else cfg.n_heads
 
 
 def input_names(cfg: ModelConfig) -> list[str]:
@@ -152,7 +149,7 @@ def check_config(cfg: ModelConfig) -> None:
 
 def _example_inputs(cfg: ModelConfig, dtype: torch.dtype, batch: int = 2, seq: int = 3, past: int = 5):
     """Sizes chosen distinct and > 1 so that the exporter cannot specialise or unify any dynamic axis."""
-    heads = cache_heads(cfg)
+    heads = kv_heads(cfg)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     pos_q = torch.arange(past, past + seq)[None].expand(batch, -1).contiguous()
     mask = torch.ones(batch, seq, dtype=torch.bool)
@@ -239,7 +236,7 @@ def _dims(vi: onnx.ValueInfoProto) -> list[str | int]:
 def _check_interface(proto: onnx.ModelProto, cfg: ModelConfig) -> None:
     """Every dynamic axis must still be symbolic: an axis fixed by the example input would silently restrict
     the graph to that size."""
-    heads = cache_heads(cfg)
+    heads = kv_heads(cfg)
     want = {"input_ids": ["batch", "seq"], "position_ids": ["batch", "seq"], "attention_mask": ["batch", "seq"],
             "past_position_ids": ["batch", "past"], "past_attention_mask": ["batch", "past"],
             "logits": ["batch", "seq", cfg.vocab_size]}
@@ -273,7 +270,7 @@ def _check_interface(proto: onnx.ModelProto, cfg: ModelConfig) -> None:
 
 def layout(cfg: ModelConfig, dtype: str, quantize: str | None) -> dict:
     """The JSON description of the graph interface and the cache memory layout (docs/EXPORT.md)."""
-    heads, T = cache_heads(cfg), cfg.chunk_len
+    heads, T = kv_heads(cfg), cfg.chunk_len
     kv_type = "float16" if dtype == "fp16" else "float32"
     inputs = [
         {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
