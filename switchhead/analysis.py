@@ -440,12 +440,9 @@ rows' attention mass falls on the columns shown. Rows are queries, columns keys;
 
 
 def _load_model(ckpt: str | Path | None):
-    if not ckpt:
-        # Once a default model ships this becomes `return load()`.
-        raise SwitchheadError("no model given: pass --ckpt DIR (there is no built-in default model yet)")
     from switchhead.model.checkpoint import load
 
-    return load(ckpt)
+    return load(ckpt)  # no ckpt: the built-in default model
 
 
 def read_text(text: str | None, text_file: str | Path | None) -> str:

@@ -235,8 +235,12 @@ def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, thread
     from switchhead.evals.run import evaluate, format_table, parse_tasks
 
     names = parse_tasks(tasks)
-    if (ckpt is None) == (onnx is None):
-        raise SwitchheadError("give exactly one of --ckpt DIR or --onnx DIR")
+    if ckpt is not None and onnx is not None:
+        raise SwitchheadError("give --ckpt DIR or --onnx DIR, not both")
+    if ckpt is None and onnx is None:
+        from switchhead.model.checkpoint import resolve_checkpoint
+
+        ckpt = str(resolve_checkpoint(None))
     results = evaluate(names, ckpt=ckpt, onnx=onnx, data_dir=data_dir, limit=limit, batch_size=batch_size,
                        output=output, progress=not no_progress, device=device, threads=threads)
     click.echo(format_table(results))

@@ -363,12 +363,12 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
 
     Either `ckpt` (a checkpoint directory) or `model` (with an optional SentencePiece `tokenizer`) is given.
     """
-    from switchhead.model.checkpoint import atomic_directory
+    from switchhead.model.checkpoint import atomic_directory, resolve_checkpoint
 
     check_options(dtype, quantize, opset)
+    builtin = model is None and not ckpt
     if model is None:
-        if not ckpt:
-            raise ExportError("no model given: pass --ckpt DIR (there is no built-in default model yet)")
+        ckpt = resolve_checkpoint(ckpt)
         if not Path(ckpt).is_dir():
             raise ExportError(f"checkpoint directory not found: {ckpt}")
         from switchhead.model.checkpoint import load
@@ -377,7 +377,11 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     cfg = model.config
     check_config(cfg)
     if out is None:
-        src = Path(ckpt).resolve() if ckpt else Path.cwd() / "model"
+        # Never write next to the built-in model: that is inside the installed package.
+        if builtin:
+            src = Path.cwd() / "switchhead-default"
+        else:
+            src = Path(ckpt).resolve() if ckpt else Path.cwd() / "model"
         out = src.with_name(f"{src.name}-onnx")
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / LAYOUT_FILE).is_file())):

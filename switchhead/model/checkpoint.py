@@ -22,6 +22,17 @@ from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.model"
+# The built-in default model ships as package data (half-precision weights; see docs/RESULTS.md).
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "default"
+
+
+def resolve_checkpoint(path: str | Path | None) -> Path:
+    """`path`, or the built-in default model when no path is given."""
+    if path:
+        return Path(path)
+    if not is_checkpoint(DEFAULT_CHECKPOINT):
+        raise CheckpointError("no model given and the built-in default model is not installed: pass --ckpt DIR")
+    return DEFAULT_CHECKPOINT
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -87,13 +98,14 @@ def load_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path / CONFIG}: {e}") from None
 
 
-def load(path: str | Path, device: str | torch.device = "cpu",
+def load(path: str | Path | None = None, device: str | torch.device = "cpu",
          dtype: torch.dtype | None = torch.float32) -> tuple[TransformerLM, object | None]:
-    """Load a checkpoint directory: (model in eval mode, SentencePieceProcessor or None).
+    """Load a checkpoint directory (default: the built-in model): (model in eval mode, SentencePieceProcessor or
+    None).
 
     Weights are cast to `dtype` (float32 by default, so half-precision checkpoints run anywhere); pass
     None to keep the stored dtype."""
-    path = Path(path)
+    path = resolve_checkpoint(path)
     config = load_config(path)
     if not (path / WEIGHTS).is_file():
         raise CheckpointError(f"{path} is not a checkpoint: {WEIGHTS} is missing")

@@ -38,9 +38,7 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
         if backend.tokenizer is None:
             raise SwitchheadError(f"{onnx_dir} has no tokenizer.model; generation needs one to read text")
         return Generator(backend, backend.tokenizer)
-    if not ckpt:
-        raise SwitchheadError("no model given: pass --ckpt DIR (there is no built-in default model yet)")
-    model, tokenizer = load(ckpt, device=resolve_device(device))
+    model, tokenizer = load(ckpt, device=resolve_device(device))  # no ckpt: the built-in default model
     if tokenizer is None:
         raise SwitchheadError(f"checkpoint {ckpt} has no tokenizer.model; generation needs one to read text")
     return Generator(TorchBackend(model), tokenizer)
