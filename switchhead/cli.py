@@ -91,8 +91,8 @@ def info(config_spec, ckpt, as_json):
 @main.command()
 @click.option("--config", "config_spec", help="Preset name or model config JSON (required unless --resume).")
 @click.option("--data", multiple=True, type=click.Path(),
-              help="Training text file (repeatable; each file is one document, followed by the "
-                   "tokenizer's EOS). Required unless --resume.")
+              help="Training text file, or a directory of .txt files (repeatable; each file is one document, "
+                   "followed by the tokenizer's EOS). Required unless --resume.")
 @click.option("--out", required=True, type=click.Path(),
               help="Output directory (new, empty, or a run to --resume).")
 @click.option("--tokenizer", type=click.Path(),

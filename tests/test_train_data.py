@@ -122,3 +122,17 @@ def test_token_cache_is_keyed_by_content_and_tokenizer(tmp_path):
     s = load_stream(sp, [data, b], cache)
     assert len(s) == len(again) + len(sp.encode("beta gamma")) + 1
     assert s.slice(len(s) - 1, len(s))[0] == sp.eos_id()
+
+
+def test_data_directory_stands_for_its_txt_files(tmp_path):
+    from switchhead.errors import SwitchheadError
+    from switchhead.train.data import check_data_files
+
+    (tmp_path / "b.txt").write_text("second book")
+    (tmp_path / "a.txt").write_text("first book")
+    (tmp_path / "notes.md").write_text("not data")
+    assert check_data_files([tmp_path]) == [tmp_path / "a.txt", tmp_path / "b.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SwitchheadError, match="no .txt files"):
+        check_data_files([empty])

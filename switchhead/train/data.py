@@ -30,11 +30,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "switchhead" / "tokens"
 
 
+def _expand_dirs(files: Sequence[str | Path], what: str) -> list[Path]:
+    """A directory stands for the *.txt files in it, in name order."""
+    out = []
+    for f in files:
+        p = Path(f)
+        if p.is_dir():
+            found = sorted(p.glob("*.txt"))
+            if not found:
+                raise SwitchheadError(f"{what} directory {p} has no .txt files")
+            out.extend(found)
+        else:
+            out.append(p)
+    return out
+
+
 def check_data_files(files: Sequence[str | Path], what: str = "data") -> list[Path]:
     if not files:
         raise SwitchheadError(f"no {what} files given")
     paths = []
-    for f in files:
+    for f in _expand_dirs(files, what):
         p = Path(f)
         if not p.is_file():
             raise SwitchheadError(f"{what} file not found: {p}")
