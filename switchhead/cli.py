@@ -291,3 +291,36 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize):
     r = export(ckpt, out, dtype=dtype, quantize=quantize, opset=opset)
     click.echo(f"wrote {r.out} (model.onnx {r.model_bytes / 1e6:.1f} MB, {dtype}"
                + (f", {quantize}" if quantize else "") + f", opset {opset})")
+
+
+@main.command()
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (with tokenizer.model).")
+@click.option("--onnx", "onnx_dir", type=click.Path(), help="ONNX export directory (instead of --ckpt).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Sequences decoded together.")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Sequences that may wait for a batch row; beyond that requests get 503.")
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a request may take, queueing included (0 = no limit); then 504.")
+@click.option("--max-prompt-tokens", type=int, default=2048, show_default=True,
+              help="Longer prompts are refused with 400.")
+@click.option("--max-tokens", type=int, default=2048, show_default=True, help="Largest max_tokens accepted.")
+@click.option("--model-name", help="Model id in the API (default: the checkpoint directory's name).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", type=int, help="CPU threads for torch (default: torch's choice).")
+def serve(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens, model_name,
+          device, threads):
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/models, /health) with continuous batching.
+
+    See docs/SERVE.md."""
+    from switchhead.serve.server import run_server
+
+    if threads is not None:
+        if threads < 1:
+            raise SwitchheadError(f"threads must be >= 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+    run_server(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens,
+               model_name=model_name, device=device)
