@@ -5,18 +5,16 @@ Exports take seconds each, so every exported directory is a module-scoped fixtur
 architecture variants use one-layer versions of the tiny presets.
 """
 
-import io
 import json
-import random
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-import sentencepiece as spm
 import torch
 from click.testing import CliRunner
+from tiny import word_tokenizer
 
 import switchhead
 from switchhead import PRESETS, TransformerLM
@@ -39,14 +37,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors gain nothing from threads; on a shared 2-core machine spinning OpenMP threads slow every op.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _model(cfg, seed=0):
     torch.manual_seed(seed)
@@ -56,16 +46,10 @@ def _model(cfg, seed=0):
     return m
 
 
+
 @pytest.fixture(scope="module")
 def sp():
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(300)]
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=buf, vocab_size=300, model_type="bpe", byte_fallback=True,
-        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        hard_vocab_limit=False, character_coverage=1.0, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
-    return spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    return word_tokenizer(WORDS)
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +279,6 @@ def test_cli_rejects_unsupported_options(ckpt, tmp_path, args, message):
 def test_cli_needs_target_and_checkpoint(tmp_path):
     r = CliRunner().invoke(main, ["export", "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "--onnx" in r.output
-    r = CliRunner().invoke(main, ["export", "--onnx", "--out", str(tmp_path / "o")])
-    assert r.exit_code == 2 and "--ckpt" in r.output
     r = CliRunner().invoke(main, ["export", "--onnx", "--ckpt", str(tmp_path / "missing")])
     assert r.exit_code == 2 and "not found" in r.output
 

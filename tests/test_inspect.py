@@ -248,7 +248,6 @@ def test_command_writes_figures_index_and_json(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--text", "x"], "pass --ckpt"),
     (["--ckpt", "{root}/missing", "--text", "x"], "not found"),
     (["--ckpt", "{root}/no-tokenizer", "--text", "x"], "no tokenizer"),
     (["--ckpt", "{root}/ckpt", "--text", "  \n"], "empty"),
@@ -259,7 +258,7 @@ def test_command_writes_figures_index_and_json(ckpt, tmp_path):
     (["--ckpt", "{root}/ckpt", "--text", "x", "--heads", "-1"], "head -1 out of range"),
     (["--ckpt", "{root}/ckpt", "--text", "x", "--layers", "a,b"], "comma-separated"),
     (["--ckpt", "{root}/ckpt", "--text", "x", "--window", "0"], "window"),
-], ids=["no-ckpt", "missing-ckpt", "no-tokenizer", "empty-text", "missing-file", "both-texts", "no-text",
+], ids=["missing-ckpt", "no-tokenizer", "empty-text", "missing-file", "both-texts", "no-text",
         "layer-range", "head-range", "bad-list", "bad-window"])
 def test_bad_input_is_one_line_exit_2(ckpt, tmp_path, args, message):
     r = _run(*[a.format(root=ckpt) for a in args], "--out", tmp_path / "out")

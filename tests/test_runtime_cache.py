@@ -17,15 +17,6 @@ T = 16
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine idle OpenMP threads
-    # spin-waiting for busy cores make every op many times slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _model(name, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)

@@ -1,44 +1,18 @@
 """Generation end to end: detokenisation, stop strings, seeds, batching, and the `switchhead generate` CLI."""
 
-import io
 import json
 import random
 
 import pytest
-import sentencepiece as spm
 import torch
 from click.testing import CliRunner
+from tiny import WORDS
 
 import switchhead
 from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.errors import SwitchheadError
 from switchhead.runtime import Detokenizer, Generator, SamplingParams, StopText, TorchBackend
-
-WORDS = "the quick brown fox jumps over lazy dogs while birds sing in trees near a river at dawn".split()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine idle OpenMP threads
-    # spin-waiting for busy cores make every op many times slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def sp():
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(300)]
-    model = io.BytesIO()
-    # Same conventions as switchhead.model.tokenizer: BPE, byte fallback, verbatim whitespace, EOS id 1.
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=300, model_type="bpe", byte_fallback=True,
-        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        hard_vocab_limit=False, character_coverage=1.0, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
-    return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
 @pytest.fixture(scope="module")

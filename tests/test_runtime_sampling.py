@@ -21,15 +21,6 @@ from switchhead.runtime.sampling import (
 NEG = float("-inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine idle OpenMP threads
-    # spin-waiting for busy cores make every op many times slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _rows(n=6, v=23, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -1,0 +1,21 @@
+"""Tiny artefacts the tests build for themselves."""
+
+import io
+import random
+
+import sentencepiece as spm
+
+WORDS = "the quick brown fox jumps over lazy dogs while birds sing in trees near a river at dawn".split()
+
+
+def word_tokenizer(words: list[str] = WORDS, vocab_size: int = 300) -> spm.SentencePieceProcessor:
+    """A BPE over 300 random sentences of `words`, with switchhead.model.tokenizer's conventions (byte fallback,
+    verbatim whitespace, EOS id 1)."""
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(300)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        hard_vocab_limit=False, character_coverage=1.0, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
