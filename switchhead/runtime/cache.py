@@ -67,6 +67,14 @@ class XLCache:
         self._slot = torch.arange(2 * self.T, device=self.device)
         self._uniform_slot: int | None = None
 
+    def reset_row(self, b: int) -> None:
+        """Start row `b` over as an empty stream (for servers that reuse rows). Its stale keys/values need no
+        clearing: an empty, memory-less row marks every slot invalid (see `begin`)."""
+        self.fill[b] = 0
+        self.cur[b] = 0
+        self.has_mem[b] = False
+        self.seen[b] = 0
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -1,0 +1,207 @@
+"""OpenAI's completions protocol: request validation into sampling parameters, and response shapes.
+
+Validation is done by hand rather than by a pydantic model so that every rejection names the offending
+parameter in OpenAI's error body (``{"error": {"message", "type", "param", "code"}}``), which clients show
+to users as is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from switchhead.errors import SwitchheadError
+from switchhead.runtime.sampling import SamplingParams
+
+# The engine reports "eos" when the model ends the text; OpenAI calls every natural end "stop".
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int = 2048
+    max_tokens: int = 2048  # per completion
+    max_sequences: int = 64  # prompts x n in one request
+
+
+@dataclass
+class CompletionRequest:
+    prompts: list[str]
+    encoded: list[list[int]]
+    params: SamplingParams  # seed always set: the base seed
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+    def sequences(self) -> list[tuple[int, int, SamplingParams]]:
+        """(choice index, prompt index, params with the sequence's seed), in OpenAI's choice order.
+
+        Every prompt samples with the request's seed, as `Generator.generate` does for a batch; the j-th of n
+        samples of a prompt uses seed + j, so they differ."""
+        out = []
+        for i in range(len(self.prompts)):
+            for j in range(self.n):
+                p = self.params if j == 0 else _with_seed(self.params, self.params.seed + j)
+                out.append((i * self.n + j, i, p))
+        return out
+
+
+def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
+    return replace(p, seed=seed)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _get(body: dict, name: str, kind: str, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = {"int": _is_int, "num": _is_num, "bool": lambda v: isinstance(v, bool)}[kind](value)
+    if not ok:
+        what = {"int": "an integer", "num": "a finite number", "bool": "a boolean"}[kind]
+        raise bad(f"'{name}' must be {what}, got {value!r}", name, "invalid_type")
+    return value
+
+
+# SamplingParams reports errors by its own (dashed) field names; these are the API's names for them.
+_API_NAMES = {"max-new-tokens": "max_tokens", "temperature": "temperature", "top-k": "top_k", "top-p": "top_p",
+              "min-p": "min_p", "repetition-penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
+
+
+def parse_completion(body, model_name: str, limits: Limits, encode) -> CompletionRequest:
+    """Validate a /v1/completions body; `encode(text) -> ids` is the generator's encoder."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
+                       "invalid_request_error", "model", "model_not_found")
+    for name, neutral in (("echo", False), ("suffix", None), ("best_of", 1), ("presence_penalty", 0),
+                          ("frequency_penalty", 0), ("logit_bias", {})):
+        value = body.get(name)
+        if value is not None and value != neutral:
+            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif prompt is None:
+        raise bad("'prompt' is required", "prompt", "missing_required_parameter")
+    else:
+        raise bad("'prompt' must be a string or a non-empty list of strings (token-id prompts are not "
+                  "supported)", "prompt", "invalid_type")
+    encoded = []
+    for i, text in enumerate(prompts):
+        if len(text) > 16 * limits.max_prompt_tokens:  # no token is 16 characters: refuse before encoding
+            raise bad(f"prompt {i} is too long: at most {limits.max_prompt_tokens} tokens", "prompt",
+                      "context_length_exceeded")
+        try:
+            ids = encode(text)
+        except SwitchheadError as e:
+            raise bad(f"prompt {i}: {e}", "prompt") from None
+        if len(ids) > limits.max_prompt_tokens:
+            raise bad(f"prompt {i} has {len(ids)} tokens, more than the limit of {limits.max_prompt_tokens}",
+                      "prompt", "context_length_exceeded")
+        encoded.append(ids)
+
+    n = _get(body, "n", "int", 1)
+    if n < 1:
+        raise bad(f"'n' must be >= 1, got {n}", "n")
+    if n * len(prompts) > limits.max_sequences:
+        raise bad(f"{len(prompts)} prompts x n={n} is more than {limits.max_sequences} completions per request",
+                  "n")
+    max_tokens = _get(body, "max_tokens", "int", 16)
+    if max_tokens > limits.max_tokens:
+        raise bad(f"'max_tokens' is {max_tokens}, more than this server's limit of {limits.max_tokens}",
+                  "max_tokens")
+    top_k = _get(body, "top_k", "int", 0)
+    top_k = 0 if top_k == -1 else top_k  # -1 means "off" in vLLM's dialect of this API
+    stop = body.get("stop")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(stops) > MAX_STOPS:
+        raise bad(f"at most {MAX_STOPS} stop strings", "stop")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise bad(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
+    stream = _get(body, "stream", "bool", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    include_usage = bool((options or {}).get("include_usage", False))
+    seed = _get(body, "seed", "int", None)
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    try:
+        params = SamplingParams(
+            max_new_tokens=max_tokens, temperature=_get(body, "temperature", "num", 1.0), top_k=top_k,
+            top_p=_get(body, "top_p", "num", 1.0), min_p=_get(body, "min_p", "num", 0.0),
+            repetition_penalty=_get(body, "repetition_penalty", "num", 1.0), seed=seed, stop=stops)
+    except SwitchheadError as e:
+        msg = str(e)
+        param = next((api for name, api in _API_NAMES.items() if msg.startswith(name)), None)
+        for name, api in _API_NAMES.items():
+            msg = msg.replace(name, api)
+        raise bad(msg, param) from None
+    return CompletionRequest(prompts, encoded, params, n, stream, include_usage, logprobs)
+
+
+def completion_id() -> str:
+    return "cmpl-" + uuid.uuid4().hex
+
+
+def envelope(cid: str, created: int, model: str, choices: list[dict], usage: dict | None = None) -> dict:
+    out = {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "switchhead"}
+
+
+def now() -> int:
+    return int(time.time())

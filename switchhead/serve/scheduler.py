@@ -1,0 +1,298 @@
+"""Continuous batching over one `XLCache`: a thread runs decode steps for every active row and admits new
+sequences between steps.
+
+Each admitted sequence owns one row of a cache of ``max_batch`` rows. A step feeds every busy row at once:
+rows still reading their prompt take the next slice of it (cut exactly where a solo `engine.feed` would cut
+it: at the row's chunk boundary and at the prefill step), decoding rows take their last sampled token, free
+rows take nothing. Because every row keeps its own chunk bookkeeping in the cache, its own sampling parameters
+and its own `torch.Generator`, a sequence produces the same tokens as `Generator.generate` alone, whichever
+sequences share its steps.
+
+Results travel back as events through a callback (`Job.sink`) called on the scheduler thread; the HTTP layer
+hands them to its event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from switchhead.runtime.engine import Detokenizer, Generator, StopText, feed
+from switchhead.runtime.sampling import SamplingParams, choose
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenInfo:
+    """One generated token, for OpenAI's `logprobs`: its id, its log-probability under the model, the top
+    alternatives as (id, logprob), and where its text starts in the (uncut) completion text."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    offset: int
+
+
+@dataclass
+class Piece:
+    """Text released by one generated token (maybe ''); `info` is set when logprobs were asked for."""
+
+    text: str
+    info: TokenInfo | None = None
+
+
+@dataclass
+class Finished:
+    """The sequence ended. `reason` is the engine's: "eos", "stop" or "length"."""
+
+    reason: str
+    text: str
+    completion_tokens: int
+    prompt_tokens: int
+
+
+@dataclass
+class Failed:
+    """The sequence was dropped: kind "timeout" (past its deadline) or "internal" (a bug in a step)."""
+
+    kind: str
+    message: str
+
+
+Event = Piece | Finished | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One sequence to generate. `ids` are the prompt's tokens (without the EOS prime); `params.seed` must be
+    set. `sink` receives the events, on the scheduler thread, and must not block."""
+
+    ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    logprobs: int | None = None
+    deadline: float | None = None  # time.monotonic() after which the job fails with "timeout"
+    cancelled: bool = False
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Row:
+    job: Job
+    todo: list[int]  # tokens still to feed: the rest of the prompt, or the last sampled token
+    detok: Detokenizer
+    text: StopText
+    rng: torch.Generator
+    seen: Tensor | None
+    tokens: list[int] = field(default_factory=list)
+    raw: int = 0  # characters released by the detokenizer so far (before stop-string cutting)
+
+
+class Scheduler:
+    """Owns the cache and the model; `submit` and `cancel` may be called from any thread."""
+
+    def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        self.gen, self.backend = generator, generator.backend
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.cache = self.backend.new_cache(max_batch)
+        self.rows: list[_Row | None] = [None] * max_batch
+        self.pending: deque[Job] = deque()
+        self.busy = 0  # rows in use; read by submit under the lock, written by the scheduler thread under it
+        self.steps = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # --- called from other threads ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.gen.warmup()
+        self._thread = threading.Thread(target=self._loop, name="switchhead-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, jobs: list[Job]) -> bool:
+        """Queue all of `jobs` or none: False when more than `max_queue` sequences would be left waiting for a
+        row."""
+        with self._cond:
+            free = self.max_batch - self.busy
+            if max(0, len(self.pending) + len(jobs) - free) > self.max_queue:
+                return False
+            self.pending.extend(jobs)
+            self._cond.notify_all()
+        return True
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job` (client gone): its row is freed before the next step."""
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify_all()
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"active": self.busy, "queued": len(self.pending), "max_batch": self.max_batch,
+                    "max_queue": self.max_queue, "steps": self.steps}
+
+    # --- the scheduler thread -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.busy and not self.pending:
+                    self._cond.wait()
+                if self._stop:
+                    break
+                self._drop_finished()
+                self._admit()
+            if not self.busy:
+                continue
+            try:
+                self._step()
+            except Exception as e:  # a bug in a step: fail the sequences in flight, keep serving the rest
+                log.exception("decode step failed")
+                with self._cond:
+                    for b, row in enumerate(self.rows):
+                        if row is not None:
+                            self._free(b, Failed("internal", f"generation step failed: {e!r}"))
+                    self.cache = self.backend.new_cache(self.max_batch)
+        with self._cond:
+            for b, row in enumerate(self.rows):
+                if row is not None:
+                    self._free(b, Failed("internal", "server shutting down"))
+            while self.pending:
+                self._finish(self.pending.popleft(), Failed("internal", "server shutting down"))
+
+    def _drop_finished(self) -> None:
+        now = time.monotonic()
+        for b, row in enumerate(self.rows):
+            if row is None:
+                continue
+            if row.job.cancelled:
+                self._free(b, None)
+            elif row.job.deadline is not None and now > row.job.deadline:
+                self._free(b, Failed("timeout", "request timed out"))
+        keep = deque()
+        for job in self.pending:
+            if job.cancelled:
+                job.done = True
+            elif job.deadline is not None and now > job.deadline:
+                self._finish(job, Failed("timeout", "request timed out while queued"))
+            else:
+                keep.append(job)
+        self.pending = keep
+
+    def _admit(self) -> None:
+        for b in range(self.max_batch):
+            if not self.pending:
+                return
+            if self.rows[b] is not None:
+                continue
+            job = self.pending.popleft()
+            self.cache.reset_row(b)
+            prompt = self.gen.prime + list(job.ids)
+            seen = None
+            if job.params.repetition_penalty != 1.0:
+                # As in the engine: the prompt (not the EOS prime) counts as already seen.
+                seen = torch.zeros(self.backend.config.vocab_size, dtype=torch.bool)
+                seen[torch.as_tensor(job.ids, dtype=torch.long)] = True
+            self.rows[b] = _Row(job, prompt, Detokenizer(self.gen.sp, prompt), StopText(job.params.stop),
+                                torch.Generator().manual_seed(job.params.seed), seen)
+            self.busy += 1
+
+    def _free(self, b: int, event: Event | None) -> None:
+        row = self.rows[b]
+        self.rows[b] = None
+        self.busy -= 1
+        if event is not None:
+            self._finish(row.job, event)
+        row.job.done = True
+
+    @staticmethod
+    def _finish(job: Job, event: Event) -> None:
+        job.done = True
+        try:
+            job.sink(event)
+        except Exception:  # a sink whose consumer is gone must not take the scheduler down
+            log.exception("event sink failed")
+
+    def _step(self) -> None:
+        room = self.cache.room().tolist()
+        step = self.gen.prefill_step or self.cache.T
+        slices: list[list[int]] = [[] for _ in self.rows]
+        for b, row in enumerate(self.rows):
+            if row is not None and row.todo:
+                n = min(len(row.todo), room[b], step)
+                slices[b], row.todo = row.todo[:n], row.todo[n:]
+        # Every slice fits its row's room and the step, so this is exactly one forward.
+        last = feed(self.backend, self.cache, slices)
+        self.steps += 1
+        ended: list[tuple[int, Event]] = []
+        for b, row in enumerate(self.rows):
+            if row is None or last[b] is None or row.todo:
+                continue
+            event = self._sample(row, last[b])
+            if event is not None:
+                ended.append((b, event))
+        if ended:
+            with self._cond:
+                for b, event in ended:
+                    self._free(b, event)
+
+    def _sample(self, row: _Row, logits: Tensor) -> Finished | None:
+        """Choose the row's next token and emit its text, with the engine's rules; a Finished when it ends."""
+        job, p = row.job, row.job.params
+        x = logits[None]
+        if self.gen.banned is not None:
+            x = x.masked_fill(self.gen.banned.to(x.device), float("-inf"))
+        tok = int(choose(x, p, None if row.seen is None else row.seen[None].to(x.device), [row.rng])[0])
+        if p.stop_at_eos and tok == self.gen.eos:
+            return self._end(row, "eos")
+        info = None
+        if job.logprobs is not None:
+            lp = x[0].float().log_softmax(-1)
+            k = min(job.logprobs, lp.shape[-1])
+            top = lp.topk(k) if k else None
+            pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            info = TokenInfo(tok, float(lp[tok]), pairs, row.raw)
+        row.tokens.append(tok)
+        if row.seen is not None:
+            row.seen[tok] = True
+        raw = row.detok.push(tok)
+        row.raw += len(raw)
+        self._emit(row, Piece(row.text.add(raw), info))
+        if row.text.stopped:
+            return self._end(row, "stop")
+        if len(row.tokens) >= p.max_new_tokens:
+            return self._end(row, "length")
+        row.todo = [tok]
+        return None
+
+    def _end(self, row: _Row, reason: str) -> Finished:
+        tail = "" if row.text.stopped else row.text.add(row.detok.flush())
+        tail += row.text.finish()
+        if tail:
+            self._emit(row, Piece(tail))
+        return Finished(reason, row.text.text, len(row.tokens), len(row.job.ids))
+
+    def _emit(self, row: _Row, piece: Piece) -> None:
+        if piece.text or piece.info is not None:
+            try:
+                row.job.sink(piece)
+            except Exception:
+                log.exception("event sink failed")

@@ -1,0 +1,36 @@
+"""What `switchhead serve` does, kept out of cli.py so the command stays a thin argument parser."""
+
+from __future__ import annotations
+
+from switchhead.errors import SwitchheadError
+from switchhead.serve.protocol import Limits
+
+
+def check_options(port: int, max_batch: int, max_queue: int, timeout: float, max_prompt_tokens: int,
+                  max_tokens: int) -> None:
+    checks = [("port", 0 <= port <= 65535, "in [0, 65535]"), ("max-batch", max_batch >= 1, ">= 1"),
+              ("max-queue", max_queue >= 0, ">= 0"), ("timeout", timeout >= 0, ">= 0 (0 = no limit)"),
+              ("max-prompt-tokens", max_prompt_tokens >= 1, ">= 1"), ("max-tokens", max_tokens >= 1, ">= 1")]
+    for name, ok, rule in checks:
+        if not ok:
+            raise SwitchheadError(f"{name} must be {rule}")
+
+
+def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max_batch: int, max_queue: int,
+               timeout: float, max_prompt_tokens: int, max_tokens: int, model_name: str | None = None,
+               device: str | None = None, log_level: str = "info") -> None:
+    check_options(port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens)
+    try:
+        import uvicorn
+
+        from switchhead.serve.app import ServeConfig, create_app, default_model_name
+    except ImportError as e:
+        raise SwitchheadError(f"switchhead serve needs FastAPI and uvicorn ({e}); "
+                              "install them with: pip install 'switchhead[serve]'") from None
+    from switchhead.runtime.commands import load_generator
+
+    gen = load_generator(ckpt, device, onnx_dir)
+    config = ServeConfig(model_name=model_name or default_model_name(ckpt, onnx_dir), max_batch=max_batch,
+                         max_queue=max_queue, timeout_s=timeout or None,
+                         limits=Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens))
+    uvicorn.run(create_app(gen, config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,357 @@
+"""`switchhead serve`: a real uvicorn server on 127.0.0.1 (a free port), driven by the official openai client and
+by raw HTTP; served text is compared with `Generator.generate` run on a separately loaded copy of the model."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from click.testing import CliRunner
+from tiny import WORDS
+
+import switchhead
+from switchhead import PRESETS, TransformerLM
+from switchhead.cli import main
+from switchhead.runtime import SamplingParams
+from switchhead.runtime.commands import load_generator
+from switchhead.serve.app import ServeConfig, create_app
+from switchhead.serve.protocol import Limits
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, sp):
+    torch.manual_seed(0)
+    m = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size())).eval()
+    with torch.no_grad():
+        m.out.weight.mul_(3.0)  # peakier outputs than a fresh init, so greedy text is not all one token
+        m.out.bias[sp.eos_id()] = -20.0  # completions run to max_tokens unless a test asks otherwise
+    return str(switchhead.save(tmp_path_factory.mktemp("ck") / "model", m, sp))
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    """The reference: the engine on its own copy of the model, never touched by the server's thread."""
+    return load_generator(ckpt)
+
+
+@contextmanager
+def serving(ckpt, onnx_dir=None, **options):
+    gen = load_generator(ckpt, onnx_dir=onnx_dir)
+    app = create_app(gen, ServeConfig(model_name=MODEL, **options))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # loopback only; port 0 lets the OS pick a free one
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() - t0 < 20, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    with serving(ckpt, max_batch=4, max_queue=16, limits=Limits(max_prompt_tokens=256, max_tokens=4096)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def solo(ref, prompt, **kw):
+    (r,) = ref.generate([prompt], SamplingParams(**kw))
+    return r
+
+
+def health(url):
+    return httpx.get(url + "/health").json()
+
+
+def wait_idle(url, limit=10.0):
+    t0 = time.monotonic()
+    while True:
+        h = health(url)
+        if h["active"] == 0 and h["queued"] == 0:
+            return h
+        assert time.monotonic() - t0 < limit, f"rows not freed: {h}"
+        time.sleep(0.05)
+
+
+# --- the openai client ---------------------------------------------------------------------------------------
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = health(url)
+    assert h["status"] == "ok" and h["max_batch"] == 4
+
+
+def test_greedy_completion_equals_engine(client, ref):
+    r = client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=12, temperature=0)
+    want = solo(ref, "the quick fox", max_new_tokens=12, temperature=0)
+    (c,) = r.choices
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert c.text == want.text and c.finish_reason == "length" and c.index == 0
+    assert r.usage.prompt_tokens == want.prompt_tokens and r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == want.prompt_tokens + 12
+
+
+def test_seeded_sampling_equals_engine_and_seed_matters(client, ref):
+    kw = dict(temperature=0.9, top_p=0.9, seed=5)
+    extra = {"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.2}
+    r = client.completions.create(model=MODEL, prompt="birds sing", max_tokens=20, extra_body=extra, **kw)
+    want = solo(ref, "birds sing", max_new_tokens=20, **extra, **kw)
+    assert r.choices[0].text == want.text
+    other = client.completions.create(model=MODEL, prompt="birds sing", max_tokens=20, extra_body=extra,
+                                      **{**kw, "seed": 6})
+    assert other.choices[0].text != want.text
+
+
+def test_prompt_list_gives_one_choice_each(client, ref):
+    prompts = ["the", "lazy dogs sing", " ".join(WORDS * 3)]  # the last one runs through XL memory (T=16)
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0.8, seed=3)
+    want = ref.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.8, seed=3))
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w.text for w in want]
+    assert r.usage.prompt_tokens == sum(w.prompt_tokens for w in want)
+
+
+def test_streaming_equals_non_streaming(client, ref):
+    want = solo(ref, "over the river", max_new_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="over the river", max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert "".join(texts) == want.text and len(texts) > 2  # streamed in pieces, not one blob
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+
+
+def test_stream_is_server_sent_events_ending_in_done(url):
+    body = {"model": MODEL, "prompt": "the fox", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert all(e["object"] == "text_completion" for e in events)
+
+
+def test_stop_string_and_eos_finish_with_stop(client, ref):
+    base = solo(ref, "the river", max_new_tokens=16, temperature=0).text
+    stop = base[5:8]
+    r = client.completions.create(model=MODEL, prompt="the river", max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].text == base[:base.index(stop)] and r.choices[0].finish_reason == "stop"
+    s = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="the river", max_tokens=16, temperature=0, stop=stop, stream=True))
+    assert s == base[:base.index(stop)]
+
+
+def test_logprobs(client, ckpt):
+    r = client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and chosen <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert max(top.values()) == pytest.approx(chosen) and top[tok] == pytest.approx(chosen)
+    assert "".join(lp.tokens) == r.choices[0].text  # ASCII text: every token has its own text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_n_samples_differ(client, ref):
+    r = client.completions.create(model=MODEL, prompt="dogs", max_tokens=10, temperature=1.0, seed=9, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == solo(ref, "dogs", max_new_tokens=10, temperature=1.0, seed=9).text
+    assert r.choices[1].text == solo(ref, "dogs", max_new_tokens=10, temperature=1.0, seed=10).text
+
+
+# --- batching --------------------------------------------------------------------------------------------------
+
+def test_concurrent_requests_equal_their_solo_results(url, client, ref):
+    """6 requests at once on 4 rows: some wait for a row, rows are reused, prompts and lengths differ."""
+    cases = [("the", 0.0, 0, 20), ("lazy dogs sing", 0.9, 1, 14), (" ".join(WORDS * 2), 1.0, 2, 9),
+             ("birds", 0.7, 3, 25), ("a river at dawn", 0.0, 4, 6), ("fox fox", 1.2, 5, 17)]
+    before = health(url)["steps"]
+
+    def one(case):
+        prompt, temp, seed, n = case
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=temp,
+                                         seed=seed).choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(one, cases))
+    for (prompt, temp, seed, n), text in zip(cases, got):
+        assert text == solo(ref, prompt, max_new_tokens=n, temperature=temp, seed=seed).text, prompt
+    steps = health(url)["steps"] - before
+    # Batched: far fewer steps than the 91 tokens + prompt chunks that one-at-a-time decoding would need.
+    assert steps < 91
+    wait_idle(url)
+
+
+def test_full_queue_answers_503(ckpt):
+    with serving(ckpt, max_batch=1, max_queue=1, limits=Limits(max_tokens=100_000)) as (url, _):
+        long = {"model": MODEL, "prompt": "the fox", "max_tokens": 100_000, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as c, c.stream("POST", url + "/v1/completions", json=long) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped iterator closes the connection, which cancels
+            next(lines)  # it holds the only row now
+            with c.stream("POST", url + "/v1/completions", json=long) as second:  # waits in the queue
+                assert second.status_code == 200
+                r = c.post(url + "/v1/completions", json={**long, "stream": False})
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert r.json()["error"]["code"] == "queue_full"
+                assert health(url)["queued"] == 1
+            # A client that leaves while still queued is dropped from the queue; the first keeps its row.
+            t0 = time.monotonic()
+            while (h := health(url))["queued"]:
+                assert time.monotonic() - t0 < 5, h
+                time.sleep(0.05)
+            assert h["active"] == 1
+            next(lines)
+        wait_idle(url)
+
+
+def test_timeout_frees_the_row(ckpt):
+    with serving(ckpt, max_batch=2, timeout_s=0.3, limits=Limits(max_tokens=100_000)) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "the", "max_tokens": 100_000}, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+        wait_idle(url)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_the_row(url, stream):
+    body = {"model": MODEL, "prompt": "the fox", "max_tokens": 4000, "temperature": 0, "stream": stream}
+    if stream:
+        with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)
+            assert health(url)["active"] == 1
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+    steps = health(url)["steps"]
+    wait_idle(url, limit=5.0)
+    # Freed long before its 4000 tokens: the scheduler stopped stepping.
+    assert health(url)["steps"] - steps < 4000
+    time.sleep(0.2)
+    assert health(url)["active"] == 0
+
+
+def test_onnx_backend_serves_what_it_generates(ckpt, tmp_path):
+    from switchhead.export import export
+
+    out = str(export(ckpt, tmp_path / "onnx").out)
+    ref = load_generator(None, onnx_dir=out)
+    cases = [("the quick fox", 0.0, 1), ("lazy dogs", 0.9, 2), (" ".join(WORDS * 2), 1.0, 3)]
+    with serving(None, onnx_dir=out, max_batch=2) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda c: client.completions.create(
+                model=MODEL, prompt=c[0], max_tokens=10, temperature=c[1], seed=c[2]).choices[0].text, cases))
+    for (prompt, temp, seed), text in zip(cases, got):
+        assert text == solo(ref, prompt, max_new_tokens=10, temperature=temp, seed=seed).text
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+BAD = [
+    (b"{not json", "invalid_json", None),
+    (b"[1, 2]", "invalid_type", None),
+    ({"model": MODEL}, "missing_required_parameter", "prompt"),
+    ({"prompt": ""}, "invalid_value", "prompt"),
+    ({"prompt": "   "}, "invalid_value", "prompt"),
+    ({"prompt": []}, "invalid_type", "prompt"),
+    ({"prompt": [1, 2, 3]}, "invalid_type", "prompt"),
+    ({"prompt": "the " * 600}, "context_length_exceeded", "prompt"),
+    ({"prompt": "x" * 100_000}, "context_length_exceeded", "prompt"),
+    ({"prompt": "the", "max_tokens": 0}, "invalid_value", "max_tokens"),
+    ({"prompt": "the", "max_tokens": "5"}, "invalid_type", "max_tokens"),
+    ({"prompt": "the", "max_tokens": 10**9}, "invalid_value", "max_tokens"),
+    ({"prompt": "the", "temperature": -1}, "invalid_value", "temperature"),
+    ({"prompt": "the", "temperature": True}, "invalid_type", "temperature"),
+    ({"prompt": "the", "top_p": 0}, "invalid_value", "top_p"),
+    ({"prompt": "the", "top_k": 1.5}, "invalid_type", "top_k"),
+    ({"prompt": "the", "min_p": 2}, "invalid_value", "min_p"),
+    ({"prompt": "the", "repetition_penalty": 0}, "invalid_value", "repetition_penalty"),
+    ({"prompt": "the", "seed": -3}, "invalid_value", "seed"),
+    ({"prompt": "the", "stop": [""]}, "invalid_value", "stop"),
+    ({"prompt": "the", "stop": 5}, "invalid_type", "stop"),
+    ({"prompt": "the", "logprobs": 99}, "invalid_value", "logprobs"),
+    ({"prompt": "the", "n": 0}, "invalid_value", "n"),
+    ({"prompt": "the", "n": 1000}, "invalid_value", "n"),
+    ({"prompt": "the", "echo": True}, "unsupported_parameter", "echo"),
+    ({"prompt": "the", "stream": "yes"}, "invalid_type", "stream"),
+]
+
+
+@pytest.mark.parametrize("body,code,param", BAD)
+def test_bad_request_is_400_with_openai_error(url, body, code, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \
+        {"json": body}
+    r = httpx.post(url + "/v1/completions", **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["code"] == code and err["param"] == param
+    assert err["message"]
+
+
+def test_other_errors_have_openai_shape(url, client):
+    r = httpx.post(url + "/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(url + "/v1/nothing").json()["error"]["code"] == "not_found"
+    r = httpx.post(url + "/v1/completions", content=b"{" + b" " * (2 << 20) + b"}")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="the", temperature=-2)
+    assert e.value.body["param"] == "temperature"
+
+
+def test_many_bad_requests_then_a_good_one(url, client, ref):
+    with httpx.Client(base_url=url) as c:
+        for i in range(300):
+            body, _, _ = BAD[i % len(BAD)]
+            r = c.post("/v1/completions", content=body if isinstance(body, bytes) else json.dumps(body))
+            assert r.status_code == 400
+    assert wait_idle(url)["status"] == "ok"
+    r = client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=12, temperature=0)
+    assert r.choices[0].text == solo(ref, "the quick fox", max_new_tokens=12, temperature=0).text
+
+
+# --- command line ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-batch", "0"], "max-batch must be >= 1"),
+    (["--port", "70000"], "port must be in"),
+    (["--ckpt", "a", "--onnx", "b"], "not both"),
+    (["--ckpt", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+])
+def test_cli_bad_options_are_one_line_exit_2(args, message):
+    r = CliRunner().invoke(main, ["serve", *args])
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
