@@ -6,7 +6,7 @@ For each config (random weights): export fp32 and int8, then decode the same tok
 `TorchBackend` and `OnnxBackend` (same engine `feed` loop, same XL cache), after a prefill of half a chunk.
 Prints a table with tokens/s, the ratio to eager, model file sizes and the max |logit| difference to eager.
 
-    .venv/bin/python benchmarks/onnx.py --ppl-ckpt RUN/final --ppl-text /work/shared/data/heldout/... [--ppl-tokens N]
+    .venv/bin/python benchmarks/onnx.py --ppl-ckpt RUN/final --ppl-text ../shared/data/heldout/... [--ppl-tokens N]
 
 instead measures the perplexity of a trained checkpoint on held-out text: PyTorch, ORT fp32 and ORT int8.
 """
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="best of this many runs")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--ppl-ckpt", help="measure perplexity of this checkpoint instead of speed")
-    ap.add_argument("--ppl-text", default="/work/shared/data/heldout/wikitext103_test.tokens.txt")
+    ap.add_argument("--ppl-text", default="../shared/data/heldout/wikitext103_test.tokens.txt")
     ap.add_argument("--ppl-tokens", type=int, default=8192)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
