@@ -13,7 +13,7 @@ memory carried over the whole held-out stream. Each run is a separate process so
     python benchmarks/replicate.py --out bench/replicate            # the full run (about an hour on 2 cores)
     python benchmarks/replicate.py --out /tmp/smoke --smoke         # end-to-end check in a minute or two
 
-Writes OUT/results.json and OUT/results.md (the table for docs/RESULTS_replication.md).
+Writes OUT/results.json and OUT/results.md (the table for docs/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -128,3 +128,13 @@ def test_nothing_is_unpickled(ckpt, monkeypatch):
     monkeypatch.setattr(pickle, "loads", boom)
     monkeypatch.setattr(torch, "load", boom)
     switchhead.load(ckpt)
+
+
+def test_checkpoint_gets_ordinary_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        switchhead.save(tmp_path / "ck", TransformerLM(PRESETS["tiny-switchhead"]))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in (tmp_path / "ck").iterdir())

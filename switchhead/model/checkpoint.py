@@ -54,9 +54,15 @@ def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
+        # mkdtemp (and some writers) create owner-only files; a checkpoint gets the usual permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
         for f in tmp.iterdir():  # make the files durable before the directory becomes visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            if f.is_file():
+                os.chmod(f, 0o666 & ~umask)
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"

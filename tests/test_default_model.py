@@ -1,0 +1,48 @@
+"""The built-in default model: loads without a path, and every command uses it when no checkpoint is given."""
+
+import json
+
+import torch
+from click.testing import CliRunner
+
+import switchhead
+from switchhead.cli import main
+from switchhead.model.checkpoint import DEFAULT_CHECKPOINT, resolve_checkpoint
+
+
+def test_default_model_loads_in_float32_with_its_tokenizer():
+    model, tok = switchhead.load()
+    assert resolve_checkpoint(None) == DEFAULT_CHECKPOINT
+    assert model.config.name == "switchhead-small"
+    assert next(model.parameters()).dtype == torch.float32
+    assert tok.get_piece_size() == model.config.vocab_size
+    # It is a trained model: a common continuation is far more likely than a uniform guess.
+    ids = torch.tensor([[tok.eos_id()] + tok.encode("It was the best of times, it was the worst of")])
+    logits, _ = model(ids)
+    logp = logits[0, -1].log_softmax(-1)
+    assert logp[tok.encode(" times")[0]] > logp.mean() + 5
+
+
+def test_weights_ship_in_half_precision_and_fit_the_package_budget():
+    from safetensors import safe_open
+
+    path = DEFAULT_CHECKPOINT / "model.safetensors"
+    assert path.stat().st_size < 25 * 2**20
+    with safe_open(str(path), "pt") as f:
+        assert all(f.get_slice(k).get_dtype() in ("F16", "BF16") for k in f.keys())
+
+
+def test_generate_without_checkpoint_uses_the_default_model():
+    r = CliRunner().invoke(main, ["generate", "The old house", "--max-new-tokens", "8", "--seed", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["tokens"] >= 1 and out["text"]
+    again = CliRunner().invoke(main, ["generate", "The old house", "--max-new-tokens", "8", "--seed", "3", "--json"])
+    assert json.loads(again.output)["text"] == out["text"]
+
+
+def test_inspect_without_checkpoint_uses_the_default_model(tmp_path):
+    r = CliRunner().invoke(main, ["inspect", "--text", "The cat sat.", "--out", str(tmp_path / "o"), "--layers", "0",
+                                  "--heads", "0"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o" / "index.html").is_file()
