@@ -288,7 +288,7 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize):
 
     if not to_onnx:
         raise SwitchheadError("no export target given: pass --onnx (the only supported target)")
-    r = export(ckpt, out, dtype=dtype, quantize=quantize, opset=opset)
+    r = export(ckpt, out, dtype=dtype, quantize=quantize, opset=opset, progress=True)
     click.echo(f"wrote {r.out} (model.onnx {r.model_bytes / 1e6:.1f} MB, {dtype}"
                + (f", {quantize}" if quantize else "") + f", opset {opset})")
 

@@ -358,7 +358,7 @@ class ExportResult:
 
 
 def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = "fp32", quantize: str | None = None,
-           opset: int = 18, model: TransformerLM | None = None, tokenizer=None) -> ExportResult:
+           opset: int = 18, model: TransformerLM | None = None, tokenizer=None, progress: bool = False) -> ExportResult:
     """Write an export directory (model.onnx, layout.json, config.json, tokenizer.model) atomically.
 
     Either `ckpt` (a checkpoint directory) or `model` (with an optional SentencePiece `tokenizer`) is given.
@@ -386,18 +386,32 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / LAYOUT_FILE).is_file())):
         raise ExportError(f"refusing to overwrite {out}: it exists and is not a switchhead ONNX export")
+    from tqdm import tqdm
+
+    # Export takes from seconds (tiny) to minutes (large models): show which stage it is in.
+    stages = tqdm(total=4 if quantize else 3, desc="export", unit="stage", disable=not progress)
+    stages.set_postfix_str("tracing the decode step")
     proto = export_model(model, dtype, opset)
+    stages.update()
     info = layout(cfg, dtype, quantize)
     with atomic_directory(out) as tmp:
         path = tmp / MODEL_FILE
         if quantize == "int8":
             with tempfile.TemporaryDirectory(dir=tmp.parent) as work:
                 fp32 = Path(work) / MODEL_FILE
+                stages.set_postfix_str("saving")
                 onnx.save(proto, str(fp32))
+                stages.update()
+                stages.set_postfix_str("quantising to int8")
                 quantize_int8(fp32, path)
         else:
+            stages.set_postfix_str("saving")
             onnx.save(proto, str(path))
+        stages.update()
+        stages.set_postfix_str("checking the model")
         onnx.checker.check_model(str(path), full_check=True)
+        stages.update()
+        stages.close()
         (tmp / LAYOUT_FILE).write_text(json.dumps(info, indent=2))
         (tmp / CONFIG_FILE).write_text(cfg.to_json())
         if tokenizer is not None:
