@@ -322,8 +322,8 @@ def test_cli_runs_and_writes_results(env, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "lambada,squad"], "unknown task(s) squad"),
     (["--tasks", ""], "no task given"),
-    (["--tasks", "blimp"], "exactly one of --ckpt"),
-    (["--tasks", "blimp", "--ckpt", "CKPT", "--onnx", "x"], "exactly one of --ckpt"),
+    (["--tasks", "blimp", "--data-dir", "NOPE"], "data directory not found"),  # built-in model
+    (["--tasks", "blimp", "--ckpt", "CKPT", "--onnx", "x"], "not both"),
     (["--tasks", "blimp", "--ckpt", "CKPT", "--data-dir", "NOPE"], "data directory not found"),
     (["--tasks", "cbt", "--ckpt", "CKPT", "--data-dir", "EMPTY"], "cbtest_CN_test_2500ex.txt"),
     (["--tasks", "lambada", "--ckpt", "MISSING", "--data-dir", "DATA"], "checkpoint directory not found"),

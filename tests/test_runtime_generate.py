@@ -204,7 +204,6 @@ def _bad_ckpts(tmp_path, model):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["hi"], "--ckpt"),
     (["", "--ckpt", "CKPT"], "empty prompt"),
     (["hi", "--ckpt", "CKPT", "--temperature", "-1"], "temperature"),
     (["hi", "--ckpt", "CKPT", "--top-p", "0"], "top-p"),
