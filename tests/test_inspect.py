@@ -8,6 +8,7 @@ import math
 import random
 import re
 
+import naive
 import numpy as np
 import pytest
 import torch
@@ -52,24 +53,6 @@ def _ln(x, ln):
     return x * ln.weight.double() + ln.bias.double()
 
 
-def _sinusoid(dist, d):
-    freqs = [1.0 / 10000 ** (2 * i / d) for i in range(d // 2)]
-    return torch.tensor([math.sin(dist * f) for f in freqs] + [math.cos(dist * f) for f in freqs],
-                        dtype=torch.float64)
-
-
-def _rope(vec, pos):
-    rot = vec.shape[0] // 2
-    half = rot // 2
-    out = vec.clone()
-    for i in range(half):
-        angle = pos / 10000 ** (2 * i / rot)
-        a, b = vec[i], vec[i + half]
-        out[i] = a * math.cos(angle) - b * math.sin(angle)
-        out[i + half] = b * math.cos(angle) + a * math.sin(angle)
-    return out
-
-
 def _manual_probs(attn, cfg, src, m):
     """softmax over visible keys of q.k (+ positional term) in float64, one query/key/head at a time."""
     h_n, dh = cfg.n_heads, cfg.d_head
@@ -88,9 +71,9 @@ def _manual_probs(attn, cfg, src, m):
                 k = w["w_k"][rows] @ src[s] * qk_scale
                 qc = q + w["u"][h] if dense else q
                 if cfg.positional == "rope":
-                    score = float(_rope(qc, qpos) @ _rope(k, s))
+                    score = float(naive.rope(qc, qpos) @ naive.rope(k, s))
                 else:
-                    r = w["pos.weight"][rows] @ _sinusoid(qpos - s, cfg.d_model) * qk_scale
+                    r = w["pos.weight"][rows] @ naive.sinusoid(qpos - s, cfg.d_model) * qk_scale
                     score = float(qc @ k) + float(((q + w["v"][h]) if dense else q) @ r)
                 logits.append(score * (float(w["scale"]) if dense else 1.0))
             top = max(logits)

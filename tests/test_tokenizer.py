@@ -1,9 +1,9 @@
 """Tokenizer helpers: exact round-trip, digits split, EOS document separators."""
 
-import random
 
 import numpy as np
 import pytest
+from tiny import write_corpus
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.tokenizer import (
@@ -17,11 +17,8 @@ from switchhead.model.tokenizer import (
 
 
 def _corpus(path, n_lines=400, seed=0):
-    rng = random.Random(seed)
     words = "the quick brown fox jumps over lazy dogs while birds sing in 2024 and 1999 trees".split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) for _ in range(n_lines)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_corpus(path, words, n_lines, (4, 14), seed, end="\n")
 
 
 @pytest.fixture(scope="module")

@@ -3,23 +3,12 @@
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import switchhead
 from switchhead.cli import main
 
 WORDS = "the cat sat on a mat and 42 dogs ran over 1999 hills while birds sang"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The machine's 2 cores are shared with other test runs; oversubscribed OpenMP threads crawl, and one
-    # thread also matches the torchrun/subprocess runs bit for bit.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture()

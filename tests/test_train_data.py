@@ -1,10 +1,10 @@
 """Token cache and lane batching: lanes are contiguous and the XL memory carries across steps."""
 
-import random
 
 import numpy as np
 import pytest
 import torch
+from tiny import write_corpus
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.config import PRESETS
@@ -13,21 +13,9 @@ from switchhead.model.tokenizer import train_tokenizer
 from switchhead.train.data import LaneBatcher, TokenStream, cached_tokens, eval_chunks, load_stream
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The machine's 2 cores are shared with other test runs; oversubscribed OpenMP threads crawl, and one
-    # thread also matches the torchrun/subprocess runs bit for bit.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _corpus(path, n_lines=300, seed=0):
-    rng = random.Random(seed)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa 12 345".split()
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(10)) for _ in range(n_lines)))
-    return path
+    return write_corpus(path, "alpha beta gamma delta epsilon zeta eta theta iota kappa 12 345".split(), n_lines, 10,
+                        seed)
 
 
 def test_stream_concatenates_parts_across_boundaries():

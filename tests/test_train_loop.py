@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import write_corpus
 
 import switchhead
 from switchhead.model.config import PRESETS
@@ -19,21 +19,9 @@ from switchhead.train import TrainOptions, train
 REPO = Path(switchhead.__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The machine's 2 cores are shared with other test runs; oversubscribed OpenMP threads crawl, and one
-    # thread also matches the torchrun/subprocess runs bit for bit.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _corpus(path, n_lines=400, seed=0):
-    rng = random.Random(seed)
     words = "the cat sat on a mat and then 42 dogs ran over 1999 hills while birds sang".split()
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(n_lines)))
-    return path
+    return write_corpus(path, words, n_lines, 12, seed)
 
 
 def _metrics(out):

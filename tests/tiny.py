@@ -19,3 +19,14 @@ def word_tokenizer(words: list[str] = WORDS, vocab_size: int = 300) -> spm.Sente
         byte_fallback=True, split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
         hard_vocab_limit=False, character_coverage=1.0, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1, minloglevel=2)
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def write_corpus(path, words: list[str], n_lines: int, per_line: int | tuple[int, int], seed: int = 0,
+                 end: str = ""):
+    """A text file of `n_lines` random lines of `words` (`per_line` words, or a random count in a range)."""
+    rng = random.Random(seed)
+    lo, hi = per_line if isinstance(per_line, tuple) else (per_line, per_line)
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi) if lo != hi else lo))
+             for _ in range(n_lines)]
+    path.write_text("\n".join(lines) + end)
+    return path
