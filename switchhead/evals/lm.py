@@ -11,7 +11,6 @@ Conventions (docs/EVAL.md explains them for readers of results):
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from pathlib import Path
 from typing import Protocol
@@ -64,20 +63,10 @@ class TorchBackend:
 
 
 def onnx_backend(path: str | Path):
-    """The ONNX backend from `switchhead.export`, looked up at call time so that it works as soon as the
-    export package provides `OnnxBackend` (constructed from the export directory; it must implement
-    `Backend` and carry the tokenizer as `.tokenizer`)."""
-    try:
-        export = importlib.import_module("switchhead.export")
-    except ImportError:
-        export = None
-    cls = getattr(export, "OnnxBackend", None)
-    if cls is None:
-        raise SwitchheadError("--onnx is not available yet: this installation's switchhead.export has no ONNX "
-                              "backend; evaluate the checkpoint with --ckpt instead")
-    if not Path(path).is_dir():
-        raise SwitchheadError(f"ONNX export directory not found: {path}")
-    backend = cls(path)
+    """The exported model's ONNX Runtime backend and the tokenizer shipped beside it."""
+    from switchhead.export import load_backend
+
+    backend = load_backend(path)
     return backend, getattr(backend, "tokenizer", None)
 
 
