@@ -99,6 +99,9 @@ def info(config_spec, ckpt, as_json):
               help="SentencePiece model to use; default: train one on --data.")
 @click.option("--vocab-size", type=int, default=8000, show_default=True, help="Size of the tokenizer trained "
               "on --data (an upper bound on small data). The model's vocab_size follows the tokenizer.")
+@click.option("--unwrap/--no-unwrap", default=False, show_default=True,
+              help="Join hard-wrapped lines into one line per paragraph (blank lines kept) before tokenizing "
+                   "training and held-out text; for books that break lines every ~70 characters.")
 @click.option("--steps", type=int, default=100_000, show_default=True, help="Total optimizer steps.")
 @click.option("--batch-size", type=int, default=64, show_default=True,
               help="Global batch: number of contiguous token lanes (split across processes).")

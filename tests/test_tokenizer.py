@@ -82,3 +82,63 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(SwitchheadError, match="not a SentencePiece model"):
         load_tokenizer(tmp_path / "junk.model")
+
+
+def _unwrap_by_lines(text):
+    """Reference: walk the lines; a blank (or whitespace-only) line ends a paragraph."""
+    paragraphs, current = [], []
+    for line in text.split("\n"):
+        if line.strip():
+            current.append(line.strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    if current:
+        paragraphs.append(" ".join(current))
+    return "\n\n".join(paragraphs)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "one line",
+        "It was a dark\nand stormy night;\nthe rain fell.\n",
+        "Chapter 1\n\n\n\n   indented first line\n  continues here  \n\t\nNext para\n",
+        "\n\n  leading blank lines\nthen text\n \n \ntrailing\n\n\n",
+        " = Title = \n \n Some text . \n \n",  # WikiText layout is already one line per paragraph
+    ],
+)
+def test_unwrap_paragraphs_matches_line_walk(text):
+    from switchhead.model.tokenizer import unwrap_paragraphs
+
+    assert unwrap_paragraphs(text) == _unwrap_by_lines(text)
+
+
+def test_unwrap_paragraphs_random_text():
+    from switchhead.model.tokenizer import unwrap_paragraphs
+
+    rng = np.random.default_rng(0)
+    pieces = np.array(["word", "two words", " ", "  ", "\t", "\n", "\n", "\n \n", "x."])
+    for _ in range(200):
+        text = "".join(rng.choice(pieces, size=rng.integers(0, 40)))
+        got = unwrap_paragraphs(text)
+        assert got == _unwrap_by_lines(text), repr(text)
+        assert "\n\n\n" not in got and not got.startswith("\n")
+
+
+def test_unwrapped_file_and_tokenizer(sp, tmp_path):
+    from switchhead.model.tokenizer import unwrap_paragraphs
+
+    path = tmp_path / "book.txt"
+    path.write_text("the quick brown\nfox jumps over\nlazy dogs\n\nbirds sing\nin 2024\n")
+    ids = encode_file(sp, path, unwrap=True)
+    assert ids[-1] == sp.eos_id()
+    assert sp.decode(ids[:-1].tolist()) == unwrap_paragraphs(path.read_text())
+    assert sp.decode(ids[:-1].tolist()) == "the quick brown fox jumps over lazy dogs\n\nbirds sing in 2024"
+    # Tokenizer training samples the joined paragraphs, not the wrapped lines.
+    from switchhead.model.tokenizer import _training_sentences
+
+    assert _training_sentences([path], 100, 0, unwrap=True) == ["the quick brown fox jumps over lazy dogs",
+                                                                "birds sing in 2024"]
+    assert len(_training_sentences([path], 100, 0)) == 5

@@ -93,6 +93,24 @@ def test_out_dir_holding_something_else(corpus, tmp_path):
     _assert_user_error(_tiny(f, corpus, tmp_path), "not a directory")
 
 
+def test_unwrap_is_part_of_the_run(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert _tiny(out, corpus, tmp_path, "--unwrap").exit_code == 0
+    assert json.loads((out / "run.json").read_text())["unwrap"] is True
+    before = (out / "final" / "model.safetensors").read_bytes()
+    _assert_user_error(_run("--out", out, "--resume", "--no-unwrap", "--steps", 6), "unwrap changed")
+    assert (out / "final" / "model.safetensors").read_bytes() == before
+    r = _run("--out", out, "--resume", "--steps", 6, "--no-progress")  # unwrap comes from the run
+    assert r.exit_code == 0, r.output
+    # A run recorded before the option existed read its text verbatim, and resumes as such.
+    spec = json.loads((out / "run.json").read_text())
+    del spec["unwrap"], spec["options"]["unwrap"]
+    (out / "run.json").write_text(json.dumps(spec))
+    _assert_user_error(_run("--out", out, "--resume", "--unwrap", "--steps", 8), "unwrap changed")
+    r = _run("--out", out, "--resume", "--steps", 8, "--no-progress")
+    assert r.exit_code == 0, r.output
+
+
 def test_existing_run_and_changed_config_on_resume(corpus, tmp_path):
     out = tmp_path / "run"
     assert _tiny(out, corpus, tmp_path).exit_code == 0

@@ -9,7 +9,7 @@ from tiny import write_corpus
 from switchhead.errors import SwitchheadError
 from switchhead.model.config import PRESETS
 from switchhead.model.lm import TransformerLM
-from switchhead.model.tokenizer import train_tokenizer
+from switchhead.model.tokenizer import train_tokenizer, unwrap_paragraphs
 from switchhead.train.data import LaneBatcher, TokenStream, cached_tokens, eval_chunks, load_stream
 
 
@@ -110,6 +110,11 @@ def test_token_cache_is_keyed_by_content_and_tokenizer(tmp_path):
     s = load_stream(sp, [data, b], cache)
     assert len(s) == len(again) + len(sp.encode("beta gamma")) + 1
     assert s.slice(len(s) - 1, len(s))[0] == sp.eos_id()
+    # Unwrapped text is a separate entry holding the joined paragraphs.
+    wrapped = cached_tokens(sp, data, cache, unwrap=True)
+    assert len(list(cache.glob("*.npy"))) == 5  # a.txt x 3 keys, b.txt, and this one
+    assert list(wrapped) == sp.encode(unwrap_paragraphs(data.read_text())) + [sp.eos_id()]
+    assert sp.piece_to_id("\n") not in wrapped and sp.piece_to_id("\n") in again
 
 
 def test_data_directory_stands_for_its_txt_files(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import random
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -32,13 +33,35 @@ DEFAULT_MAX_SENTENCES = 200_000
 _MAX_SENTENCE_CHARS = 2000
 
 
-def _training_sentences(files: Iterable[str | Path], max_sentences: int, seed: int) -> list[str]:
+# A paragraph break: a line break, then a line holding only whitespace (then any further blank lines).
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
+
+
+def unwrap_paragraphs(text: str) -> str:
+    """Join hard-wrapped lines: each paragraph becomes one line, paragraphs stay separated by a blank line.
+
+    Books from Project Gutenberg break lines every ~70 characters. Trained verbatim, a model spends its
+    probability on line breaks that never occur in prompts or benchmark text, so training can opt into this.
+    """
+    paragraphs = (" ".join(line.strip() for line in p.split("\n") if line.strip()) for p in
+                  _PARAGRAPH_BREAK.split(text))
+    return "\n\n".join(p for p in paragraphs if p)
+
+
+def read_text(path: str | Path, *, unwrap: bool = False) -> str:
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return unwrap_paragraphs(text) if unwrap else text
+
+
+def _training_sentences(
+    files: Iterable[str | Path], max_sentences: int, seed: int, unwrap: bool = False
+) -> list[str]:
     """Non-blank lines of `files`, a seeded uniform sample of at most `max_sentences` of them."""
     rng = random.Random(seed)
     sample: list[str] = []
     seen = 0
     for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with io.StringIO(read_text(path, unwrap=unwrap)) as f:
             for line in f:
                 line = line.rstrip("\n")
                 if not line.strip():
@@ -63,8 +86,9 @@ def train_tokenizer(
     max_sentences: int = DEFAULT_MAX_SENTENCES,
     seed: int = 0,
     num_threads: int = 2,
+    unwrap: bool = False,
 ) -> spm.SentencePieceProcessor:
-    """Train a BPE tokenizer on (a sample of the lines of) `files`.
+    """Train a BPE tokenizer on (a sample of the lines of) `files`, read through `unwrap_paragraphs` if `unwrap`.
 
     `vocab_size` is an upper bound: on small corpora SentencePiece stops early, so read the real size from
     ``sp.get_piece_size()``. Use `save_tokenizer` to write the model file.
@@ -74,7 +98,7 @@ def train_tokenizer(
         raise SwitchheadError(
             f"vocab size must be at least {MIN_VOCAB_SIZE} (byte fallback), got {vocab_size}"
         )
-    sentences = _training_sentences(files, max_sentences, seed)
+    sentences = _training_sentences(files, max_sentences, seed, unwrap)
     if not sentences:
         raise SwitchheadError("cannot train a tokenizer: the data files contain no text")
     model = io.BytesIO()
@@ -149,9 +173,11 @@ def encode_documents(sp: spm.SentencePieceProcessor, documents: Iterable[str]) -
     return np.concatenate(parts)
 
 
-def iter_documents(path: str | Path, *, split_blank_lines: bool = False) -> Iterator[str]:
+def iter_documents(
+    path: str | Path, *, split_blank_lines: bool = False, unwrap: bool = False
+) -> Iterator[str]:
     """The documents of a text file: the whole file, or its blank-line separated blocks."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    text = read_text(path, unwrap=unwrap)
     if not split_blank_lines:
         yield text
         return
@@ -167,7 +193,7 @@ def iter_documents(path: str | Path, *, split_blank_lines: bool = False) -> Iter
 
 
 def encode_file(
-    sp: spm.SentencePieceProcessor, path: str | Path, *, split_blank_lines: bool = False
+    sp: spm.SentencePieceProcessor, path: str | Path, *, split_blank_lines: bool = False, unwrap: bool = False
 ) -> np.ndarray:
     """The token stream of one file (a file is one document unless `split_blank_lines`)."""
-    return encode_documents(sp, iter_documents(path, split_blank_lines=split_blank_lines))
+    return encode_documents(sp, iter_documents(path, split_blank_lines=split_blank_lines, unwrap=unwrap))

@@ -67,20 +67,24 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def cached_tokens(sp: spm.SentencePieceProcessor, path: str | Path, cache_dir: str | Path) -> np.ndarray:
+def cached_tokens(
+    sp: spm.SentencePieceProcessor, path: str | Path, cache_dir: str | Path, *, unwrap: bool = False
+) -> np.ndarray:
     """The token stream of one file (followed by EOS), memory-mapped from the cache; built on first use.
 
-    The key covers the file content and the tokenizer, so editing either invalidates the entry; entries are
+    The key covers the file content, the tokenizer and `unwrap` (see `unwrap_paragraphs`), so changing any
+    of them invalidates the entry; entries are
     written to a temporary file and renamed, so concurrent builders and crashes cannot leave a torn file.
     """
     cache_dir = Path(cache_dir)
+    reading = "unwrap" if unwrap else "verbatim"
     key = hashlib.sha256(
-        f"{_CACHE_VERSION}:{file_digest(path)}:{tokenizer_fingerprint(sp)}".encode()
+        f"{_CACHE_VERSION}:{file_digest(path)}:{tokenizer_fingerprint(sp)}:{reading}".encode()
     ).hexdigest()
     target = cache_dir / f"{key[:32]}.npy"
     if not target.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        ids = encode_file(sp, path)
+        ids = encode_file(sp, path, unwrap=unwrap)
         tmp = cache_dir / f".{target.name}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             np.save(f, ids.astype(token_dtype(sp), copy=False))
@@ -113,9 +117,9 @@ class TokenStream:
 
 
 def load_stream(
-    sp: spm.SentencePieceProcessor, files: Sequence[str | Path], cache_dir: str | Path
+    sp: spm.SentencePieceProcessor, files: Sequence[str | Path], cache_dir: str | Path, *, unwrap: bool = False
 ) -> TokenStream:
-    return TokenStream([cached_tokens(sp, f, cache_dir) for f in files])
+    return TokenStream([cached_tokens(sp, f, cache_dir, unwrap=unwrap) for f in files])
 
 
 @dataclass(frozen=True)

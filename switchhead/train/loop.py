@@ -92,6 +92,7 @@ class TrainOptions:
     cache_dir: str | None = None
     progress: bool = True
     tokenizer_sentences: int = 200_000
+    unwrap: bool = False  # join hard-wrapped lines into paragraphs (train and eval data, tokenizer training)
 
 
 @dataclass
@@ -172,6 +173,7 @@ def _run_spec(opts: TrainOptions, config: ModelConfig, tok_fp: str, data: list[P
         "lr": opts.lr,
         "warmup": opts.warmup,
         "seed": opts.seed,
+        "unwrap": opts.unwrap,
         "world_size": world,
         # Informational (not compared): lets `--resume` without flags continue with the same settings.
         "options": {k: getattr(opts, k) for k in _RESUMABLE},
@@ -192,6 +194,7 @@ _RESUMABLE = (
     "seed",
     "vocab_size",
     "cache_dir",
+    "unwrap",
 )
 
 
@@ -238,7 +241,8 @@ def _check_out_dir(out: Path, resume: bool) -> dict | None:
 
 
 def _compare_specs(old: dict, new: dict) -> None:
-    for key in ("model_config", "tokenizer_sha256", "data", "batch_size", "lr", "warmup", "seed"):
+    old = {"unwrap": False, **old}  # runs recorded before the option existed read their text verbatim
+    for key in ("model_config", "tokenizer_sha256", "data", "batch_size", "lr", "warmup", "seed", "unwrap"):
         if old.get(key) != new.get(key):
             if key == "model_config":
                 a, b = old[key], new[key]
@@ -444,7 +448,8 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         proto = [None]
         if is_main:
             proto[0] = train_tokenizer(
-                data_files, opts.vocab_size, max_sentences=opts.tokenizer_sentences, seed=opts.seed
+                data_files, opts.vocab_size, max_sentences=opts.tokenizer_sentences, seed=opts.seed,
+                unwrap=opts.unwrap,
             ).serialized_model_proto()
         if _dist_on():
             dist.broadcast_object_list(proto, src=0)
@@ -460,13 +465,13 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     # Token caches: rank 0 builds them, the others then map the finished files.
     cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
     if is_main:
-        load_stream(sp, data_files + eval_files, cache_dir)
+        load_stream(sp, data_files + eval_files, cache_dir, unwrap=opts.unwrap)
     _barrier()
-    stream = load_stream(sp, data_files, cache_dir)
+    stream = load_stream(sp, data_files, cache_dir, unwrap=opts.unwrap)
     per_rank = opts.batch_size // world
     my_lanes = tuple(range(rank * per_rank, (rank + 1) * per_rank))
     batcher = LaneBatcher(stream, opts.batch_size, config.chunk_len, lanes=my_lanes)
-    eval_stream = load_stream(sp, eval_files, cache_dir) if eval_files else None
+    eval_stream = load_stream(sp, eval_files, cache_dir, unwrap=opts.unwrap) if eval_files else None
 
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
