@@ -65,7 +65,7 @@ def perplexity(ckpt: str, text: str, n_tokens: int, threads: int) -> None:
         for quant in (None, "int8"):
             res = export(ckpt, Path(tmp) / str(quant), quantize=quant)
             backend = OnnxBackend(res.out, threads=threads)
-            results.append((f"onnxruntime {quant or 'fp32'}", ppl(backend(ids)[0]), res.model_bytes))
+            results.append((f"onnxruntime {quant or 'fp32'}", ppl(backend.logits(ids)[0]), res.model_bytes))
     print(f"\nperplexity of {ckpt} on the first {ids.shape[1] - 1} tokens of {text}")
     print("| engine | perplexity | change | model.onnx MB |")
     print("|---|---|---|---|")

@@ -295,11 +295,33 @@ def test_generate_until_equals_full_recompute(env, lm):
             ids.append(nxt)
     want = sp.decode(ids[1:])[len(sp.decode(ids[1:n_ctx])):]
     assert out == want
-    assert lm.greedy(context, ["\n"], 40) == want, "the fallback without the runtime's cache"
     assert len(sp.encode(context)) + 1 < 2 * model.config.chunk_len < len(ids), "crosses chunk boundaries"
     stop = want.split()[1]
     out2, = lm.generate_until([Req(context, {"until": [stop], "max_gen_toks": 40})])
     assert out2 == want[:want.index(stop)]
+
+
+def test_generate_until_from_an_empty_context_starts_a_document(env, lm):
+    _, _, model, sp = env
+    ids = [sp.eos_id()]
+    with torch.inference_mode():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+            if ids[-1] == sp.eos_id():
+                ids.pop()
+                break
+    out, = lm.generate_until([Req("", {"until": [], "max_gen_toks": 12})])
+    assert out == sp.decode(ids[1:])
+
+
+def test_model_argument_must_be_a_model_or_backend(env):
+    from switchhead.evals import SwitchheadLM
+    from switchhead.runtime import TorchBackend
+
+    _, _, model, sp = env
+    with pytest.raises(SwitchheadError, match="TransformerLM or a runtime Backend"):
+        SwitchheadLM(model=object(), tokenizer=sp)
+    assert SwitchheadLM(model=TorchBackend(model), tokenizer=sp, progress=False).backend.model is model
 
 
 # --- CLI ----------------------------------------------------------------------------------------------------

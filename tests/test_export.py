@@ -188,7 +188,7 @@ def test_empty_past_and_reference_evaluator(exported, model):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_main_parity_multi_chunk(exported, model, batch):
     ids = _ids(model.config.vocab_size, batch, 2 * model.config.chunk_len + 7, seed=batch)
-    logits, cache = load_backend(exported)(ids)
+    logits, cache = load_backend(exported).logits(ids)
     assert (logits - _forward(model, ids)).abs().max() <= 1e-4
     assert int(cache.seen[0]) == ids.shape[1]
 
@@ -198,7 +198,7 @@ def test_main_parity_multi_chunk(exported, model, batch):
 def test_variant_parity_multi_chunk(variant_exports, name, batch):
     m, path = variant_exports[name]
     ids = _ids(m.config.vocab_size, batch, 2 * m.config.chunk_len + 9, seed=batch)
-    logits, _ = OnnxBackend(path)(ids)
+    logits, _ = OnnxBackend(path).logits(ids)
     assert (logits - _forward(m, ids)).abs().max() <= 1e-4
 
 
@@ -251,7 +251,7 @@ def test_int8_quantisation(exported, model, tmp_path):
     def ppl(logits):
         return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).exp())
 
-    fp32, int8 = ppl(_forward(model, ids)), ppl(OnnxBackend(q.out)(ids)[0])
+    fp32, int8 = ppl(_forward(model, ids)), ppl(OnnxBackend(q.out).logits(ids)[0])
     assert abs(int8 / fp32 - 1) < 0.05
 
 

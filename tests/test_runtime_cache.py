@@ -9,7 +9,7 @@ import torch
 from switchhead import PRESETS, TransformerLM
 from switchhead.errors import SwitchheadError
 from switchhead.model.accounting import kv_cache_bytes_per_token
-from switchhead.runtime import TorchBackend, XLCache, feed
+from switchhead.runtime import Backend, TorchBackend, XLCache, feed
 
 ARCHS = ["tiny-switchhead", "tiny-transformer", "tiny-moa", "tiny-switchall", "tiny-switchhead-rope",
          "tiny-switchhead-rope-nomem"]
@@ -154,3 +154,17 @@ def test_step_may_not_cross_a_chunk_boundary():
     cache.commit()
     with pytest.raises(SwitchheadError, match="chunk boundary"):
         cache.begin([3])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scoring_logits_default_and_override_equal_the_forward(arch):
+    """`Backend.logits` (rows through the cache) and TorchBackend's chunked-forward override agree, and the
+    state each returns continues the rows (calls split at a chunk boundary, as scoring does)."""
+    m = _model(arch)
+    ids = torch.randint(0, m.config.vocab_size, (3, 3 * T + 5), generator=torch.Generator().manual_seed(8))
+    ref = _reference(m, ids)
+    be = TorchBackend(m)
+    for logits in (be.logits, lambda x, s=None: Backend.logits(be, x, s)):
+        first, state = logits(ids[:, :2 * T])
+        second, _ = logits(ids[:, 2 * T:], state)
+        assert _max_err(torch.cat([first, second], 1), ref) <= ATOL

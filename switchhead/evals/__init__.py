@@ -7,8 +7,7 @@ Importing this package registers the model with lm-eval, after which lm-eval's o
                             task_manager=switchhead.evals.task_manager(data_dir="DIR"))
 """
 
-from switchhead.evals.lm import Backend, SwitchheadLM, TorchBackend
+from switchhead.evals.lm import SwitchheadLM
 from switchhead.evals.run import TASKS, TASKS_DIR, evaluate, format_table, parse_tasks, task_manager
 
-__all__ = ["TASKS", "TASKS_DIR", "Backend", "SwitchheadLM", "TorchBackend", "evaluate", "format_table",
-           "parse_tasks", "task_manager"]
+__all__ = ["TASKS", "TASKS_DIR", "SwitchheadLM", "evaluate", "format_table", "parse_tasks", "task_manager"]

@@ -5,15 +5,14 @@ Conventions (docs/EVAL.md explains them for readers of results):
   first real token is scored given "start of document", exactly as the model saw document starts in training.
 - Long inputs are never truncated: they are fed in windows of whole chunks with the Transformer-XL memory
   carried over, which is exactly the model's chunked forward.
-- The model is reached through one method, ``Backend.__call__(input_ids, state) -> (logits, state)``; the
-  PyTorch model and (once it exists) the ONNX runtime are two implementations of it.
+- The model is reached through the runtime's `Backend` (PyTorch or ONNX Runtime): ``Backend.logits`` for
+  scoring, the runtime's `Generator` (cached, batched) for generation -- the same code paths as
+  ``switchhead generate``.
 """
 
 from __future__ import annotations
 
 import weakref
-from pathlib import Path
-from typing import Protocol
 
 import torch
 from lm_eval.api.model import LM
@@ -21,6 +20,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
+from switchhead.runtime import Backend, Generator, SamplingParams, TorchBackend
 
 # Bound on the logits materialised per forward call (floats), used to pick how many chunks one call covers.
 _LOGITS_BUDGET = 1 << 25
@@ -38,38 +38,6 @@ def active_model() -> SwitchheadLM:
     return model
 
 
-class Backend(Protocol):
-    """What the evaluator needs from a model implementation."""
-
-    chunk_len: int
-    vocab_size: int
-
-    def __call__(self, input_ids: torch.Tensor, state: object | None) -> tuple[torch.Tensor, object | None]:
-        """Logits [B, T, vocab] for input_ids [B, T] (any T) continuing the streams summarised by `state`
-        (None: fresh streams), and the state after them. Calls always start at a chunk boundary."""
-        ...
-
-
-class TorchBackend:
-    def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu"):
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.chunk_len = model.config.chunk_len
-        self.vocab_size = model.config.vocab_size
-
-    @torch.inference_mode()
-    def __call__(self, input_ids, state):
-        return self.model(input_ids.to(self.device), state)
-
-
-def onnx_backend(path: str | Path):
-    """The exported model's ONNX Runtime backend and the tokenizer shipped beside it."""
-    from switchhead.export import load_backend
-
-    backend = load_backend(path)
-    return backend, getattr(backend, "tokenizer", None)
-
-
 def _device(device: str | None) -> str:
     # lm-eval's CLI passes device="cuda" by default; like its HF model, fall back to the CPU without one.
     if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
@@ -80,7 +48,7 @@ def _device(device: str | None) -> str:
 @register_model("switchhead")
 class SwitchheadLM(LM):
     """lm-eval model over a switchhead checkpoint (``ckpt=DIR``), ONNX export (``onnx=DIR``), or objects
-    passed directly (``model=`` a TransformerLM or a Backend, ``tokenizer=`` a SentencePieceProcessor)."""
+    passed directly (``model=`` a TransformerLM or a runtime Backend, ``tokenizer=`` a SentencePieceProcessor)."""
 
     def __init__(self, ckpt: str | None = None, onnx: str | None = None, model=None, tokenizer=None,
                  batch_size: int | str | None = DEFAULT_BATCH_SIZE, device: str | None = None,
@@ -94,20 +62,24 @@ class SwitchheadLM(LM):
 
             model, ckpt_tokenizer = load(ckpt, device=device)
             tokenizer = tokenizer or ckpt_tokenizer
-            backend = TorchBackend(model, device)
+            backend = TorchBackend(model)
         elif onnx is not None:
-            backend, onnx_tokenizer = onnx_backend(onnx)
-            tokenizer = tokenizer or onnx_tokenizer
+            from switchhead.export import load_backend
+
+            backend = load_backend(onnx)
+            tokenizer = tokenizer or backend.tokenizer
         elif isinstance(model, torch.nn.Module):
-            backend = TorchBackend(model, device)
-        else:
+            backend = TorchBackend(model.to(device))
+        elif isinstance(model, Backend):
             backend = model
+        else:
+            raise SwitchheadError(f"model= must be a TransformerLM or a runtime Backend, got {type(model).__name__}")
         if tokenizer is None:
             raise SwitchheadError("evaluation needs the model's tokenizer, and none was found (a checkpoint keeps "
                                   "it as tokenizer.model)")
-        if tokenizer.get_piece_size() > backend.vocab_size:
+        if tokenizer.get_piece_size() > backend.config.vocab_size:
             raise SwitchheadError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model only "
-                                  f"{backend.vocab_size} outputs")
+                                  f"{backend.config.vocab_size} outputs")
         if tokenizer.eos_id() < 0:
             raise SwitchheadError("the tokenizer has no EOS id (the document separator evaluation relies on)")
         self.backend = backend
@@ -182,7 +154,7 @@ class SwitchheadLM(LM):
         return results  # type: ignore[return-value]
 
     def _score_batch(self, seqs: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
-        T = self.backend.chunk_len
+        T = self.backend.config.chunk_len
         B, L = len(seqs), max(len(t) for t, _ in seqs)
         # Right padding never influences real positions: attention is causal and chunks start at 0 for all.
         ids = torch.full((B, L), self.eos, dtype=torch.long)
@@ -192,12 +164,12 @@ class SwitchheadLM(LM):
             ids[b, :len(t)] = torch.tensor(t)
         total = torch.zeros(B, dtype=torch.float64)
         greedy = torch.ones(B, dtype=torch.bool)
-        window = T * max(1, _LOGITS_BUDGET // (B * T * self.backend.vocab_size))
+        window = T * max(1, _LOGITS_BUDGET // (B * T * self.backend.config.vocab_size))
         state = None
         n_inputs = L - 1  # the last token is only a target
         for s in range(0, n_inputs, window):
             inp = ids[:, s:min(s + window, n_inputs)]
-            logits, state = self.backend(inp, state)
+            logits, state = self.backend.logits(inp, state)
             logits = torch.as_tensor(logits)
             pos = torch.arange(s + 1, s + 1 + inp.shape[1])  # positions of the predicted tokens
             mask = (pos[None, :] >= first[:, None]) & (pos[None, :] < lengths[:, None])
@@ -239,10 +211,8 @@ class SwitchheadLM(LM):
             self.progress = saved
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy decoding (sampling arguments are ignored) until a stop string, EOS or max_gen_toks.
-
-        Uses the runtime's cached generator (switchhead.runtime) in batches when the backend supports it,
-        else `greedy` below."""
+        """Greedy decoding (sampling arguments are ignored) until a stop string, EOS or max_gen_toks, with the
+        runtime's cached generator; requests sharing stop strings and length run in batches."""
         self._activate()
         jobs = []
         for req in requests:
@@ -251,62 +221,19 @@ class SwitchheadLM(LM):
             until = [until] if isinstance(until, str) else [u for u in until if u]
             jobs.append((context, tuple(until), int(kwargs.get("max_gen_toks", self.max_gen_toks))))
         out: list[str | None] = [None] * len(jobs)
-        generator = self._generator()
-        bar = tqdm(total=len(jobs), desc="generate_until", disable=disable_tqdm or not self.progress, leave=False)
+        generator = Generator(self.backend, self.tokenizer)
         groups: dict[tuple, list[int]] = {}
-        for i, (context, until, max_new) in enumerate(jobs):
-            if generator is not None and context.strip():
-                groups.setdefault((until, max_new), []).append(i)
-            else:
-                out[i] = self.greedy(context, list(until), max_new)
-                bar.update(1)
-        for (until, max_new), idx in groups.items():
-            from switchhead.runtime import SamplingParams
-
-            params = SamplingParams(max_new_tokens=max(1, max_new), temperature=0.0, stop=until)
-            for start in range(0, len(idx), self.batch_size):
-                part = idx[start:start + self.batch_size]
-                for i, g in zip(part, generator.generate([jobs[i][0] for i in part], params)):
-                    out[i] = g.text
-                bar.update(len(part))
-        bar.close()
+        for i, (_, until, max_new) in enumerate(jobs):
+            groups.setdefault((until, max_new), []).append(i)
+        with tqdm(total=len(jobs), desc="generate_until", disable=disable_tqdm or not self.progress,
+                  leave=False) as bar:
+            for (until, max_new), idx in groups.items():
+                params = SamplingParams(max_new_tokens=max(1, max_new), temperature=0.0, stop=until)
+                for start in range(0, len(idx), self.batch_size):
+                    part = idx[start:start + self.batch_size]
+                    # An empty context is a new document: the generator's EOS priming is all there is.
+                    contexts = [self.encode(jobs[i][0]) if jobs[i][0] else [] for i in part]
+                    for i, g in zip(part, generator.generate_ids(contexts, params)):
+                        out[i] = g.text
+                    bar.update(len(part))
         return out  # type: ignore[return-value]
-
-    def _generator(self):
-        """The runtime's Generator over this backend, or None when the runtime or a cache-capable backend is
-        missing (then `greedy` recomputes the current chunk per token)."""
-        try:
-            from switchhead.runtime import Backend as RuntimeBackend
-            from switchhead.runtime import Generator
-            from switchhead.runtime import TorchBackend as RuntimeTorchBackend
-        except ImportError:
-            return None
-        if isinstance(self.backend, RuntimeBackend):
-            backend = self.backend
-        elif isinstance(self.backend, TorchBackend):
-            backend = RuntimeTorchBackend(self.backend.model)
-        else:
-            return None
-        return Generator(backend, self.tokenizer)
-
-    def greedy(self, context: str, until: list[str], max_new: int) -> str:
-        """Greedy continuation of `context` (a new document). Full chunks are folded into the XL memory once;
-        only the current partial chunk is recomputed per token, which reproduces the chunked forward."""
-        T = self.backend.chunk_len
-        ids = [self.eos] + (self.encode(context) if context else [])
-        prefix = self.tokenizer.decode(ids[1:])
-        state, done, text = None, 0, ""
-        for _ in range(max_new):
-            while len(ids) - done > T:
-                _, state = self.backend(torch.tensor([ids[done:done + T]]), state)
-                done += T
-            logits, _ = self.backend(torch.tensor([ids[done:]]), state)
-            nxt = int(torch.as_tensor(logits)[0, -1].argmax())
-            if nxt == self.eos:
-                break
-            ids.append(nxt)
-            text = self.tokenizer.decode(ids[1:])[len(prefix):]
-            cut = [text.index(u) for u in until if u and u in text]
-            if cut:
-                return text[:min(cut)]
-        return text

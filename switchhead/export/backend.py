@@ -21,7 +21,6 @@ from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_F
 from switchhead.model.config import ModelConfig
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
-from switchhead.runtime.engine import feed
 
 PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 
@@ -51,11 +50,7 @@ def _session(path: Path, providers: list[str] | None, threads: int | None):
 
 
 class OnnxBackend(Backend):
-    """Runs an export directory (see docs/EXPORT.md) with ONNX Runtime: CUDA EP when available, else CPU.
-
-    Also callable as ``backend(input_ids, state) -> (logits, state)`` (the evaluator's interface), with the
-    XL cache as the state.
-    """
+    """Runs an export directory (see docs/EXPORT.md) with ONNX Runtime: CUDA EP when available, else CPU."""
 
     def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None):
         path = Path(path)
@@ -104,12 +99,6 @@ class OnnxBackend(Backend):
         for i in range(self.config.n_layers):
             cache.write(i, torch.from_numpy(out[1 + 2 * i]), torch.from_numpy(out[2 + 2 * i]))
         return torch.from_numpy(out[0])
-
-    def __call__(self, input_ids: Tensor, state: XLCache | None = None) -> tuple[Tensor, XLCache]:
-        """Logits [B, t, vocab] of whole rows continuing the streams in `state` (a fresh cache if None)."""
-        cache = state if state is not None else self.new_cache(input_ids.shape[0])
-        logits = feed(self, cache, input_ids.tolist(), keep="all")
-        return torch.stack(logits), cache
 
 
 def _np(t: Tensor) -> np.ndarray:

@@ -14,6 +14,9 @@ Contract of ``Backend.forward(ids, cache)``, called after ``cache.begin`` and be
   ``plan.past_valid`` for the past part and ``plan.new_mask`` plus causality for the new part, and returns
   ``present.i`` = the new K/V, which the backend then passes to ``cache.write``.
 - Return logits [B, t, vocab] (float32 or wider).
+
+Scoring (evaluation, perplexity) calls ``Backend.logits(ids, state)`` on whole rows instead; its default runs
+``forward`` through the cache, and a backend may override it with an equivalent faster path.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ class Backend(ABC):
     def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
         """Logits [B, t, vocab] of a planned step (see the module docstring)."""
 
+    def logits(self, ids: Tensor, state: object | None = None) -> tuple[Tensor, object]:
+        """Logits [B, t, vocab] of the rows `ids` [B, t] (any t) continuing the streams in `state` -- what the
+        previous call returned, None for fresh streams -- and the state after them."""
+        from switchhead.runtime.engine import feed  # the engine builds on backends, not the other way
+
+        cache = state if state is not None else self.new_cache(ids.shape[0])
+        return torch.stack(feed(self, cache, ids.tolist(), keep="all")), cache
+
 
 class TorchBackend(Backend):
     """Runs `TransformerLM.decode` (the same block code as training) against the cache."""
@@ -55,3 +66,9 @@ class TorchBackend(Backend):
         # The model memoises its relative-position tables in inference, so every step after the first
         # reuses them.
         return self.model.decode(ids.to(self.device), cache)
+
+    @torch.inference_mode()
+    def logits(self, ids: Tensor, state: object | None = None) -> tuple[Tensor, object]:
+        # The chunked training forward computes a whole chunk per layer call; equal to feeding the cache
+        # (tested) and faster for long rows. Its state is the XL memory, not an XLCache.
+        return self.model(ids.to(self.device), state)

@@ -191,9 +191,18 @@ class Generator:
                  on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
         """Generate for a batch of prompts at once. Row i samples with ``seeds[i]`` (default: params.seed, or
         a random seed); its result does not depend on the other rows. `on_text(i, text)` streams text."""
-        if not prompts:
+        return self.generate_ids([self.encode(p) for p in prompts], params, seeds, on_text, prompts)
+
+    def generate_ids(self, encoded: Sequence[Sequence[int]], params: SamplingParams,
+                     seeds: Sequence[int] | None = None, on_text: Callable[[int, str], None] | None = None,
+                     prompts: Sequence[str] | None = None) -> list[Generation]:
+        """`generate` for prompts given as token ids; an empty prompt starts a new document (needs EOS)."""
+        encoded = [list(ids) for ids in encoded]
+        if not encoded:
             return []
-        encoded = [self.encode(p) for p in prompts]
+        if not self.prime and not all(encoded):
+            raise SwitchheadError("an empty prompt needs a tokenizer with an EOS id to start from")
+        prompts = prompts if prompts is not None else [self.sp.decode(list(ids)) for ids in encoded]
         if seeds is None:
             base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             seeds = [base] * len(prompts)
