@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="folder of .txt training files")
     p.add_argument("--heldout", type=Path, default=DEFAULT_HELDOUT)
-    p.add_argument("--steps", type=int, default=700)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--chunk-len", type=int, default=128)
     p.add_argument("--d-model", type=int, default=256)
