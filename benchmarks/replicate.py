@@ -69,6 +69,8 @@ def _worker(spec_path: str) -> None:
     opts["config"] = ModelConfig.from_dict(opts["config"])
     t0 = time.time()
     result = train(TrainOptions(**opts))
+    if result.interrupted:  # checkpoint saved; no result, so a rerun resumes this model instead of skipping it
+        raise SystemExit(f"interrupted at step {result.step}; rerun the same command to resume")
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     Path(spec["result"]).write_text(json.dumps({
         "wall_s": time.time() - t0, "peak_rss_mib": peak_kib / 1024, "val_ppl": result.val_ppl,
@@ -167,7 +169,9 @@ def main(argv=None) -> None:
             spec_file = out / f"{name}.spec.json"
             spec_file.write_text(json.dumps(spec, indent=1))
             print(f"== {name}: {count_params(cfg)['total']:,} parameters, d_head {cfg.d_head}", flush=True)
-            subprocess.run([sys.executable, __file__, "--out", str(out), "--worker", str(spec_file)], check=True)
+            run = subprocess.run([sys.executable, __file__, "--out", str(out), "--worker", str(spec_file)])
+            if run.returncode:
+                raise SystemExit(f"{name}: training stopped (exit code {run.returncode}); rerun to resume")
         r = json.loads(result_file.read_text())
         params = count_params(cfg)
         results[name] = {
