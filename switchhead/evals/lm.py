@@ -170,7 +170,6 @@ class SwitchheadLM(LM):
         for s in range(0, n_inputs, window):
             inp = ids[:, s:min(s + window, n_inputs)]
             logits, state = self.backend.logits(inp, state)
-            logits = torch.as_tensor(logits)
             pos = torch.arange(s + 1, s + 1 + inp.shape[1])  # positions of the predicted tokens
             mask = (pos[None, :] >= first[:, None]) & (pos[None, :] < lengths[:, None])
             if not mask.any():

@@ -202,7 +202,7 @@ class Generator:
             return []
         if not self.prime and not all(encoded):
             raise SwitchheadError("an empty prompt needs a tokenizer with an EOS id to start from")
-        prompts = prompts if prompts is not None else [self.sp.decode(list(ids)) for ids in encoded]
+        prompts = prompts if prompts is not None else [self.sp.decode(ids) for ids in encoded]
         if seeds is None:
             base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             seeds = [base] * len(prompts)
