@@ -134,7 +134,9 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
                 {"matmul": _fwd_bwd(_matmul, (xd, wd), [xd, wd]), "op": _fwd_bwd(expert_projection, args, wrt)},
                 repeats,
             )
-            regime = torch_paths.choose_regime(n, case.n_in, case.slots, case.n_out, case.heads * case.experts)
+            regime = torch_paths.choose_regime(
+                n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out
+            )
             cols = " | ".join(f"{t[r]:.3f}" if r in t else "-" for r in ("gather", "dense", "grouped"))
             lines.append(
                 f"| {case.name} | {n} | {t['matmul']:.3f} | {cols} | {t['op']:.3f} ({regime}) "

@@ -148,6 +148,22 @@ def test_torch_regimes_match_naive_loop(shape, regime):
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), torch.float32)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[10]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_blocks_of_one_expert_add_up(shape, dtype, monkeypatch):
+    """The grouped regime cuts an expert's pairs into blocks; with tiny blocks every expert spans several."""
+    monkeypatch.setattr(torch_paths, "GROUPED_BLOCK", 3)
+    exact, cast = make(shape, dtype)
+    assert_matches(via_regime(shape, cast, "grouped"), naive_all(shape, exact), dtype)
+
+
+def test_torch_weight_grad_is_deterministic():
+    shape = Shape(300, 1, 6, 2, 4, 24, 16)  # several blocks per expert
+    _, (x, w, index, gate, grad) = make(shape)
+    runs = [torch_paths.backward(grad, x, w, index, gate, True, regime="grouped")[1] for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
 HALF_SHAPES = [SHAPES[1], SHAPES[4], SHAPES[6]]
 
 

@@ -6,13 +6,14 @@ Three regimes, each with its own forward and backward, picked per call by `choos
   gathers the selected matrices). It reads only the weights that are used and copies none of them, which
   is what matters at decode time (N*S = a few pairs).
 - ``dense``: run every expert as one big GEMM and gate afterwards (or scale the inputs by the gates first
-  and contract over experts in one GEMM, whichever side has fewer rows). Wastes E/k of the FLOPs but
-  issues one large matmul instead of E small ones plus gathers; wins when E/k is small (SwitchHead).
-- ``grouped``: sort (token, slot) pairs by expert and run one GEMM per expert: no wasted FLOPs, but
-  gather/scatter copies and E small matmuls; wins when E/k is large (sigma-MoE feed-forward).
+  and contract over experts in one GEMM, whichever side has fewer rows). Wastes E*min(I, R)/S times the
+  useful MACs but issues one large matmul instead of many small ones plus gathers; wins for small N.
+- ``grouped``: sort (token, slot) pairs by expert and run one GEMM per block of an expert's pairs: no wasted
+  MACs, but gathers, index_adds and small GEMMs whose cost per expert is roughly fixed; wins for large N.
+  Its backward gets the gate gradient from the input-gradient GEMM, so it never recomputes the forward.
 
 The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-core CPU
-(docs/BENCHMARKS_kernels.md); re-measure before changing them.
+(docs/BENCHMARKS.md); re-measure before changing them.
 """
 
 from __future__ import annotations
@@ -25,35 +26,42 @@ from torch import Tensor
 Regime = Literal["gather", "dense", "grouped"]
 Grads = tuple[Tensor, Tensor, Tensor]
 
-# Thresholds measured on a 2-core CPU with benchmarks/kernels.py (see docs/BENCHMARKS_kernels.md; the numbers
-# are from a shared, noisy machine: re-measure before trusting small differences).
+# Thresholds measured on a 2-core CPU with benchmarks/kernels.py and one torch thread (see docs/BENCHMARKS.md;
+# the machine is shared and noisy: re-measure before trusting small differences).
 # Up to this many (token, slot) pairs a plain loop of vector-matrix products wins: it reads only the selected
 # experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
 GATHER_MAX_PAIRS = 8
-# Dense evaluates every expert: waste = (experts / slots reaching one row) times the useful FLOPs; grouped pays
-# gathers, scatters and one small GEMM per expert instead. Forward, dense wins up to about these waste factors:
-# 1.8 when it runs all experts on the inputs (V-like, I <= R: 47M V 34 vs 81 ms at N = 4096), 1.5 when it
-# contracts gated inputs (O-like: grouped was ~12 % faster for 47M O, waste 1.67, in two runs). Backward, dense
-# wins up to 2.0 (47M O, N = 4096: 159 vs 409 ms; 262M V: 1.33 vs 1.63 s); sigma-MoE (waste 4) is grouped.
-DENSE_MAX_WASTE_FORWARD = 1.8
-DENSE_MAX_WASTE_FORWARD_CONTRACT = 1.5
-DENSE_MAX_WASTE_BACKWARD = 2.0
-# The dense backward writes the gradient of every expert's full matrix through a permuted copy; with few tokens
-# that memory traffic dominates (262M V, N = 16: 13.7 ms dense vs 3.6 ms grouped), so it needs this many.
-DENSE_BACKWARD_MIN_TOKENS = 128
+# Above that, dense wastes (E*min(I, R)/S - 1) times the useful MACs while grouped pays a roughly fixed cost per
+# expert (sort, gathers, index_add, small GEMMs): worth about this many MACs each. It puts the crossover at
+# N ~ 140 tokens for 47M (dense 1.35 vs 1.70 ms forward at N = 128, grouped 1.65 vs 1.97 ms at N = 256) and
+# N ~ 30 for 262M (dense 1.14 vs 1.27 ms at N = 16, even at N = 32).
+GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
+# Forward only, and only when dense runs every expert on the inputs (V-like, I <= R), dense also wins at any N
+# up to this waste: its output side is narrow, so its one big GEMM beats gathering the wide input rows of every
+# pair (47M V, waste 1.67, N = 4096: 31-34 vs 35-48 ms over three runs).
+DENSE_MAX_WASTE_EXPAND = 1.8
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
 DENSE_BROADCAST_MAX_ROWS = 64
+# The grouped regime works on at most this many pairs of one expert at a time (see `_expert_pairs`): 5-10 %
+# faster than whole experts at N = 4096 (262M O: 110 vs 123 ms forward, 213 vs 228 ms backward); 1024 was
+# in between.
+GROUPED_BLOCK = 256
 
 
-def choose_regime(n: int, n_in: int, slots: int, n_out: int, n_experts: int, backward: bool = False) -> Regime:
+def choose_regime(
+    n: int, n_in: int, slots: int, n_out: int, n_experts: int, d_in: int, d_out: int, backward: bool = False
+) -> Regime:
     if n * slots <= GATHER_MAX_PAIRS:
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
-    if backward:
-        return "dense" if waste <= DENSE_MAX_WASTE_BACKWARD and n >= DENSE_BACKWARD_MIN_TOKENS else "grouped"
-    limit = DENSE_MAX_WASTE_FORWARD if _dense_expands_inputs(n_in, n_out) else DENSE_MAX_WASTE_FORWARD_CONTRACT
-    return "dense" if waste <= limit else "grouped"
+    if _dense_expands_inputs(n_in, n_out):
+        if backward:
+            return "grouped"  # that dense backward recomputes the forward for its gate gradient, at full waste
+        if waste <= DENSE_MAX_WASTE_EXPAND:
+            return "dense"
+    wasted_macs = (waste - 1) * n * slots * d_in * d_out
+    return "dense" if wasted_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -101,23 +109,19 @@ def gather_backward(
     flat = index.reshape(-1)
     w = weight[flat]  # [P, D_in, D_out]
     xs = _per_slot(x, slots).reshape(n * slots, -1)
-    gs = _per_slot(grad.to(acc), slots).reshape(n * slots, -1)
-    grad_gate = _gate_grad_from_outputs(xs, w, gs, gate, need_gate_grad, n, slots)
-    gs = _gated(gs, gate.reshape(-1) if gate is not None else None).to(x.dtype)
-    grad_xs = torch.bmm(gs.unsqueeze(1), w.transpose(1, 2)).view(n, slots, -1)
-    grad_x = _reduce_slots(grad_xs.to(acc), x.shape[1]).to(x.dtype)
-    outer = xs.unsqueeze(2).to(acc) * gs.unsqueeze(1).to(acc)  # [P, D_in, D_out]
+    gs = _per_slot(grad, slots).reshape(n * slots, 1, -1).to(x.dtype)
+    u = torch.bmm(gs, w.transpose(1, 2)).view(n * slots, -1).to(acc)  # un-gated; <x, u> is the gate gradient
+    grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
+    if gate is not None:
+        g = gate.reshape(-1, 1).to(acc)
+        if need_gate_grad:
+            grad_gate = (u * xs.to(acc)).sum(-1).view(n, slots).to(gate.dtype)
+        u = u * g
+        gs = (gs.view(n * slots, -1).to(acc) * g).to(x.dtype)
+    grad_x = _reduce_slots(u.view(n, slots, -1), x.shape[1]).to(x.dtype)
+    outer = xs.unsqueeze(2).to(acc) * gs.view(n * slots, 1, -1).to(acc)  # [P, D_in, D_out]
     grad_w = torch.zeros_like(weight, dtype=acc).index_add_(0, flat, outer).to(weight.dtype)
     return grad_x, grad_w, grad_gate
-
-
-def _gate_grad_from_outputs(
-    xs: Tensor, w: Tensor, gs: Tensor, gate: Tensor | None, need: bool, n: int, slots: int
-) -> Tensor:
-    if gate is None or not need:
-        return xs.new_empty(0, dtype=gate.dtype if gate is not None else xs.dtype)
-    y = torch.bmm(xs.unsqueeze(1), w).squeeze(1).to(gs.dtype)
-    return (y * gs).sum(-1).view(n, slots).to(gate.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -147,7 +151,8 @@ def _all_experts(x: Tensor, weight: Tensor, index: Tensor) -> Tensor:
     slots = index.shape[1]
     rows = torch.arange(n, device=x.device).unsqueeze(1) * n_in + _slot_rows(slots, n_in, x.device)
     if n * n_in <= DENSE_BROADCAST_MAX_ROWS:
-        return torch.matmul(x.reshape(1, n * n_in, d_in), weight)[index, rows]  # [E, N*I, D_out] -> [N, S, D_out]
+        # detached: with inputs that require grad, matmul picks a much slower broadcast strategy (3x here)
+        return torch.matmul(x.reshape(1, n * n_in, d_in).detach(), weight.detach())[index, rows]  # [N, S, D_out]
     w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
     y_all = (x.reshape(n * n_in, d_in) @ w_cat).view(n * n_in, n_experts, d_out)
     return y_all[rows, index]
@@ -209,40 +214,39 @@ def dense_backward(
 # grouped: one GEMM per expert over the pairs sorted by expert
 
 
-def _sorted_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, list[int]]:
+def _expert_pairs(index: Tensor, n_experts: int):
+    """(expert, ids of up to GROUPED_BLOCK of its (token, slot) pairs) in ascending order, expert by expert.
+
+    Blocks keep every temporary small: on the CPU a fresh [N*S, D] buffer costs page faults that rival the
+    GEMMs (262M V, N = 4096: copying the input rows of all pairs at once took longer than the same-FLOP
+    matmul), while block-sized ones are recycled by the allocator and stay in cache between gather and GEMM.
+    """
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=n_experts).tolist()
-
-
-def _per_expert_mm(rows: Tensor, counts: list[int], weight: Tensor) -> Tensor:
-    """rows (already in expert order) times their expert's matrix, concatenated."""
-    parts, start = [], 0
-    for e, c in enumerate(counts):
-        if c:
-            parts.append(rows[start : start + c] @ weight[e])
-            start += c
-    return torch.cat(parts) if parts else rows.new_empty(0, weight.shape[-1])
+    start = 0
+    for e, c in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
+        for block in range(start, start + c, GROUPED_BLOCK):
+            yield e, order[block : min(block + GROUPED_BLOCK, start + c)]
+        start += c
 
 
 def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     n, slots = index.shape
-    d_out = weight.shape[-1]
+    d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
-    order, counts = _sorted_pairs(index, weight.shape[0])
-    rows = x.reshape(-1, x.shape[-1])[order // (slots // x.shape[1])]
-    out_rows = order // (slots // n_out)
-    gate_sorted = gate.reshape(-1)[order].to(acc).unsqueeze(-1) if gate is not None else None
-    # Gate and reduce each expert's result straight into the output: no [N*S, D_out] intermediate.
+    x2 = x.reshape(-1, d_in)
+    # Gate whichever side of the product is narrower (for fp32; half inputs are gated after the cast to fp32).
+    gate_rows = gate is not None and x.dtype == acc and d_in < d_out
     out = torch.zeros(n * n_out, d_out, dtype=acc, device=x.device)
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            y = (rows[start : start + c] @ weight[e]).to(acc)
-            if gate_sorted is not None:
-                y = y * gate_sorted[start : start + c]
-            out.index_add_(0, out_rows[start : start + c], y)
-            start += c
+    for e, pairs in _expert_pairs(index, weight.shape[0]):
+        rows = x2[pairs // (slots // x.shape[1])]
+        g = None if gate is None else gate.reshape(-1)[pairs].to(acc).unsqueeze(-1)
+        if gate_rows:
+            rows.mul_(g)
+        y = (rows @ weight[e]).to(acc)
+        if g is not None and not gate_rows:
+            y.mul_(g)
+        out.index_add_(0, pairs // (slots // n_out), y)
     return out.view(n, n_out, d_out).to(x.dtype)
 
 
@@ -250,31 +254,29 @@ def grouped_backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
 ) -> Grads:
     n, slots = index.shape
-    n_in, n_out = x.shape[1], grad.shape[1]
+    d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
-    order, counts = _sorted_pairs(index, weight.shape[0])
-    xs = x.reshape(-1, x.shape[-1])[order // (slots // n_in)]  # sorted by expert
-    gs = grad.reshape(-1, grad.shape[-1])[order // (slots // n_out)].to(acc)
+    x2, g2 = x.reshape(-1, d_in), grad.reshape(-1, d_out).to(x.dtype)
+    grad_x = torch.zeros(n * x.shape[1], d_in, dtype=acc, device=x.device)
+    grad_w = torch.zeros_like(weight, dtype=acc)  # blocks of one expert add up here
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    if gate is not None:
-        gate_sorted = gate.reshape(-1)[order].to(acc)
-        if need_gate_grad:
-            y = _per_expert_mm(xs, counts, weight).to(acc)
-            grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
-            grad_gate[order] = (y * gs).sum(-1).to(gate.dtype)
-            grad_gate = grad_gate.view(n, slots)
-        gs = gs * gate_sorted.unsqueeze(-1)
-    gs = gs.to(x.dtype)
-    grad_xs = torch.empty(n * slots, x.shape[-1], dtype=acc, device=x.device)
-    grad_xs[order] = _per_expert_mm(gs, counts, weight.transpose(1, 2)).to(acc)
-    grad_x = _reduce_slots(grad_xs.view(n, slots, -1), n_in).to(x.dtype)
-    grad_w = torch.zeros_like(weight)
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            grad_w[e] = xs[start : start + c].t() @ gs[start : start + c]
-            start += c
-    return grad_x, grad_w, grad_gate
+    if gate is not None and need_gate_grad:
+        grad_gate = torch.empty(n, slots, dtype=gate.dtype, device=x.device)
+    for e, pairs in _expert_pairs(index, weight.shape[0]):
+        in_rows = pairs // (slots // x.shape[1])
+        xs, gs = x2[in_rows], g2[pairs // (slots // grad.shape[1])]
+        # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u> (= <x @ W, g>),
+        # so the forward product is never recomputed: three GEMMs per expert, as for a plain linear layer.
+        u = (gs @ weight[e].t()).to(acc)
+        if gate is not None:
+            g = gate.reshape(-1)[pairs].to(acc).unsqueeze(-1)
+            if need_gate_grad:
+                grad_gate.view(-1)[pairs] = (u * xs.to(acc)).sum(-1).to(gate.dtype)
+            u.mul_(g)
+            gs = (gs.to(acc) * g).to(x.dtype)
+        grad_x.index_add_(0, in_rows, u)
+        grad_w[e] += (xs.t() @ gs).to(acc)
+    return grad_x.view_as(x).to(x.dtype), grad_w.to(weight.dtype), grad_gate
 
 
 FORWARD = {"gather": gather_forward, "dense": dense_forward, "grouped": grouped_forward}
@@ -284,7 +286,7 @@ BACKWARD = {"gather": gather_backward, "dense": dense_backward, "grouped": group
 def forward(
     x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, regime: Regime | None = None
 ) -> Tensor:
-    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], n_out, weight.shape[0])
+    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape)
     return FORWARD[regime](x, weight, index, gate, n_out)
 
 
@@ -297,5 +299,5 @@ def backward(
     need_gate_grad: bool,
     regime: Regime | None = None,
 ) -> Grads:
-    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], grad.shape[1], weight.shape[0], True)
+    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], grad.shape[1], *weight.shape, True)
     return BACKWARD[regime](grad, x, weight, index, gate, need_gate_grad)
