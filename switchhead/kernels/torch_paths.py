@@ -38,7 +38,7 @@ GATHER_MAX_PAIRS = 8
 GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
 # Forward only, and only when dense runs every expert on the inputs (V-like, I <= R), dense also wins at any N
 # up to this waste: its output side is narrow, so its one big GEMM beats gathering the wide input rows of every
-# pair (47M V, waste 1.67, N = 4096: 31-34 vs 35-48 ms over three runs).
+# pair (47M V, waste 1.67, N = 4096, four runs: dense 31-34 ms, grouped 33-48 ms).
 DENSE_MAX_WASTE_EXPAND = 1.8
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
@@ -151,7 +151,7 @@ def _all_experts(x: Tensor, weight: Tensor, index: Tensor) -> Tensor:
     slots = index.shape[1]
     rows = torch.arange(n, device=x.device).unsqueeze(1) * n_in + _slot_rows(slots, n_in, x.device)
     if n * n_in <= DENSE_BROADCAST_MAX_ROWS:
-        # detached: with inputs that require grad, matmul picks a much slower broadcast strategy (3x here)
+        # detached: for inputs that require grad, matmul takes a 2-3x slower broadcast route (262M V, N = 16)
         return torch.matmul(x.reshape(1, n * n_in, d_in).detach(), weight.detach())[index, rows]  # [N, S, D_out]
     w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
     y_all = (x.reshape(n * n_in, d_in) @ w_cat).view(n * n_in, n_experts, d_out)
