@@ -152,7 +152,7 @@ def test_torch_regimes_match_naive_loop(shape, regime):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grouped_blocks_of_one_expert_add_up(shape, dtype, monkeypatch):
     """The grouped regime cuts an expert's pairs into blocks; with tiny blocks every expert spans several."""
-    monkeypatch.setattr(torch_paths, "GROUPED_BLOCK", 3)
+    monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 60)  # a few rows
     exact, cast = make(shape, dtype)
     assert_matches(via_regime(shape, cast, "grouped"), naive_all(shape, exact), dtype)
 

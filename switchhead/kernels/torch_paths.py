@@ -43,10 +43,11 @@ DENSE_MAX_WASTE_EXPAND = 1.8
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
 DENSE_BROADCAST_MAX_ROWS = 64
-# The grouped regime works on at most this many pairs of one expert at a time (see `_expert_pairs`): 5-10 %
-# faster than whole experts at N = 4096 (262M O: 110 vs 123 ms forward, 213 vs 228 ms backward); 1024 was
-# in between.
-GROUPED_BLOCK = 256
+# The grouped regime works on blocks of one expert's pairs of at most this many elements in their widest
+# operand (see `_expert_blocks`): 256 rows for 262M (5-10 % faster than whole experts at N = 4096: 110 vs 123 ms
+# forward, 213 vs 228 ms backward); 1024 rows for the replication model (d_model 256, bf16), whose forward with
+# 256-row blocks was slower than the previous whole-expert code (6.2 vs 5.0 ms) and with 1024 faster (3.6 vs 4.2).
+GROUPED_BLOCK_ELEMENTS = 256 * 1024
 
 
 def choose_regime(
@@ -214,20 +215,22 @@ def dense_backward(
 # grouped: one GEMM per expert over the pairs sorted by expert
 
 
-def _expert_pairs(index: Tensor, n_experts: int):
-    """(expert, ids of up to GROUPED_BLOCK of its (token, slot) pairs) in ascending order, expert by expert.
+def _expert_blocks(index: Tensor, n_experts: int, width: int) -> tuple[Tensor, list[tuple[int, slice]]]:
+    """The (token, slot) pairs sorted by expert, and (expert, slice of that order) blocks of one expert each.
 
-    Blocks keep every temporary small: on the CPU a fresh [N*S, D] buffer costs page faults that rival the
-    GEMMs (262M V, N = 4096: copying the input rows of all pairs at once took longer than the same-FLOP
-    matmul), while block-sized ones are recycled by the allocator and stay in cache between gather and GEMM.
+    A block holds at most GROUPED_BLOCK_ELEMENTS / width pairs so that every temporary stays small: on the CPU
+    a fresh [N*S, D] buffer costs page faults that rival the GEMMs (262M V, N = 4096: copying the input rows
+    of all pairs at once took longer than the same-FLOP matmul), while block-sized ones are recycled by the
+    allocator and stay in cache between gather and GEMM.
     """
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    start = 0
+    rows = max(1, GROUPED_BLOCK_ELEMENTS // width)
+    blocks, start = [], 0
     for e, c in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
-        for block in range(start, start + c, GROUPED_BLOCK):
-            yield e, order[block : min(block + GROUPED_BLOCK, start + c)]
+        blocks += [(e, slice(b, min(b + rows, start + c))) for b in range(start, start + c, rows)]
         start += c
+    return order, blocks
 
 
 def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
@@ -235,18 +238,20 @@ def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
     x2 = x.reshape(-1, d_in)
+    order, blocks = _expert_blocks(index, weight.shape[0], max(d_in, d_out))
+    src, dst = order // (slots // x.shape[1]), order // (slots // n_out)
+    gates = None if gate is None else gate.reshape(-1)[order].to(acc).unsqueeze(-1)
     # Gate whichever side of the product is narrower (for fp32; half inputs are gated after the cast to fp32).
     gate_rows = gate is not None and x.dtype == acc and d_in < d_out
     out = torch.zeros(n * n_out, d_out, dtype=acc, device=x.device)
-    for e, pairs in _expert_pairs(index, weight.shape[0]):
-        rows = x2[pairs // (slots // x.shape[1])]
-        g = None if gate is None else gate.reshape(-1)[pairs].to(acc).unsqueeze(-1)
+    for e, b in blocks:
+        rows = x2[src[b]]
         if gate_rows:
-            rows.mul_(g)
+            rows.mul_(gates[b])
         y = (rows @ weight[e]).to(acc)
-        if g is not None and not gate_rows:
-            y.mul_(g)
-        out.index_add_(0, pairs // (slots // n_out), y)
+        if gates is not None and not gate_rows:
+            y.mul_(gates[b])
+        out.index_add_(0, dst[b], y)
     return out.view(n, n_out, d_out).to(x.dtype)
 
 
@@ -257,25 +262,29 @@ def grouped_backward(
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
     x2, g2 = x.reshape(-1, d_in), grad.reshape(-1, d_out).to(x.dtype)
+    order, blocks = _expert_blocks(index, weight.shape[0], max(d_in, d_out))
+    src, dst = order // (slots // x.shape[1]), order // (slots // grad.shape[1])
+    gates = None if gate is None else gate.reshape(-1)[order].to(acc).unsqueeze(-1)
     grad_x = torch.zeros(n * x.shape[1], d_in, dtype=acc, device=x.device)
     grad_w = torch.zeros_like(weight, dtype=acc)  # blocks of one expert add up here
-    grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    if gate is not None and need_gate_grad:
-        grad_gate = torch.empty(n, slots, dtype=gate.dtype, device=x.device)
-    for e, pairs in _expert_pairs(index, weight.shape[0]):
-        in_rows = pairs // (slots // x.shape[1])
-        xs, gs = x2[in_rows], g2[pairs // (slots // grad.shape[1])]
+    gate_grad_sorted = torch.empty(n * slots, dtype=acc, device=x.device) if gates is not None else None
+    for e, b in blocks:
+        xs, gs = x2[src[b]], g2[dst[b]]
         # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u> (= <x @ W, g>),
         # so the forward product is never recomputed: three GEMMs per expert, as for a plain linear layer.
         u = (gs @ weight[e].t()).to(acc)
-        if gate is not None:
-            g = gate.reshape(-1)[pairs].to(acc).unsqueeze(-1)
+        if gates is not None:
             if need_gate_grad:
-                grad_gate.view(-1)[pairs] = (u * xs.to(acc)).sum(-1).to(gate.dtype)
-            u.mul_(g)
-            gs = (gs.to(acc) * g).to(x.dtype)
-        grad_x.index_add_(0, in_rows, u)
+                gate_grad_sorted[b] = (u * xs.to(acc)).sum(-1)
+            u.mul_(gates[b])
+            gs = (gs.to(acc) * gates[b]).to(x.dtype)
+        grad_x.index_add_(0, src[b], u)
         grad_w[e] += (xs.t() @ gs).to(acc)
+    grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
+    if gate is not None and need_gate_grad:
+        grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
+        grad_gate[order] = gate_grad_sorted.to(gate.dtype)
+        grad_gate = grad_gate.view(n, slots)
     return grad_x.view_as(x).to(x.dtype), grad_w.to(weight.dtype), grad_gate
 
 
