@@ -77,18 +77,17 @@ def _worker(spec_path: str) -> None:
         "last_loss": result.last_loss, "step": result.step}))
 
 
-def _step_time(out: Path, tokens_per_step: int) -> float:
-    """Median seconds per training step over the logged intervals (the first, with warm-up, is skipped)."""
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    per_step = [tokens_per_step / m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]
-    return statistics.median(per_step) if per_step else float("nan")
-
-
-def _late_train_loss(out: Path, steps: int) -> float:
-    """Mean of the training losses logged over the last 10% of the steps: less noisy than the last log."""
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    late = [m["loss"] for m in lines if "loss" in m and "tokens_per_s" in m and m["step"] > 0.9 * steps]
-    return statistics.mean(late) if late else float("nan")
+def _from_metrics(out: Path, tokens_per_step: int, steps: int) -> dict:
+    """Step time, training time and late training loss of one run, from its metrics.jsonl (one read)."""
+    logs = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "tokens_per_s" in m]
+    step_s = [(m["step"], tokens_per_step / m["tokens_per_s"]) for m in logs]
+    per_step = [t for _, t in step_s[1:]]  # the first interval includes warm-up
+    late = [m["loss"] for m in logs if m["step"] > 0.9 * steps]  # less noisy than the last log alone
+    return {
+        "step_time_s": statistics.median(per_step) if per_step else float("nan"),
+        "train_minutes": sum((s - prev) * t for (prev, _), (s, t) in zip([(0, 0.0)] + step_s, step_s)) / 60,
+        "late_train_loss": statistics.mean(late) if late else float("nan"),
+    }
 
 
 def _fmt(n: float) -> str:
@@ -134,6 +133,7 @@ def main(argv=None) -> None:
 
     from switchhead.model.accounting import attention_macs, attention_memory, count_params
     from switchhead.model.tokenizer import save_tokenizer, train_tokenizer
+    from switchhead.train.data import load_stream
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,8 @@ def main(argv=None) -> None:
         print(f"tokenizer: {time.time() - t0:.1f}s", flush=True)
     import sentencepiece as spm
 
-    vocab = spm.SentencePieceProcessor(model_file=str(tok)).get_piece_size()
+    sp = spm.SentencePieceProcessor(model_file=str(tok))
+    vocab = sp.get_piece_size()
     configs = build_configs(args.d_model, args.layers, args.d_ff, args.d_head, args.chunk_len, vocab,
                             args.dropout, args.grad_clip)
     names = args.only or list(configs)
@@ -189,13 +190,13 @@ def main(argv=None) -> None:
             "attention_floats_per_layer": attention_memory(cfg),
             "val_ppl": r["val_ppl"],
             "final_train_loss": r["last_loss"],
-            "late_train_loss": _late_train_loss(run_dir, args.steps),
-            "step_time_s": _step_time(run_dir, args.batch_size * args.chunk_len),
+            **_from_metrics(run_dir, args.batch_size * args.chunk_len, args.steps),
             "peak_rss_mib": r["peak_rss_mib"],
             "wall_s": r["wall_s"],
         }
     meta = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "tokens_per_run": args.steps * args.batch_size * args.chunk_len, "vocab_size": vocab,
+            "corpus_tokens": len(load_stream(sp, data, out / "cache", unwrap=args.unwrap)),
             "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} CPUs",
             "torch": __import__("torch").__version__}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
@@ -206,19 +207,21 @@ def main(argv=None) -> None:
 
 def render(results: dict, meta: dict) -> str:
     rows = ["| model | heads x d_head | E / k | params (total) | attn params | attn MACs/layer | "
-            "attn floats/layer | held-out ppl | train loss (last 10% of steps) | CPU step time | peak RSS |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "attn floats/layer | held-out ppl | train loss (last 10% of steps) | CPU step time | training time | "
+            "peak RSS |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         c = r["config"]
         ek = f"{c['n_experts']} / {c['k']}" if c["attention"] == "switchhead" else "-"
         rows.append(f"| {name} | {c['n_heads']} x {c['d_head']} | {ek} | {r['params_total']:,} | "
                     f"{_fmt(r['params_attention'])} | {_fmt(r['attention_macs_per_layer'])} | "
                     f"{_fmt(r['attention_floats_per_layer'])} | {r['val_ppl']:.2f} | {r['late_train_loss']:.3f} | "
-                    f"{r['step_time_s'] * 1000:.0f} ms | {r['peak_rss_mib']:.0f} MiB |")
+                    f"{r['step_time_s'] * 1000:.0f} ms | {r['train_minutes']:.1f} min | {r['peak_rss_mib']:.0f} MiB |")
     a = meta["args"]
     return ("\n".join(rows) + "\n\n"
             f"d_model {a['d_model']}, {a['layers']} layers, d_ff {a['d_ff']}, T={a['chunk_len']} with one memory "
-            f"chunk, batch {a['batch_size']}, {a['steps']} steps ({meta['tokens_per_run']:,} tokens per model), "
+            f"chunk, batch {a['batch_size']}, {a['steps']} steps ({meta['tokens_per_run']:,} tokens per model, of a "
+            f"{meta['corpus_tokens']:,}-token corpus), "
             f"vocab {meta['vocab_size']}, lr {a['lr']} (warm-up {a['warmup']}, cosine), dropout {a['dropout']}, "
             f"{a['dtype']} autocast, {'unwrapped' if a['unwrap'] else 'verbatim'} text; "
             f"{meta['machine']}, torch {meta['torch']}. MACs/floats: the paper's per-layer formulas "
