@@ -18,7 +18,7 @@ The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-c
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,27 +26,28 @@ from torch import Tensor
 Regime = Literal["gather", "dense", "grouped"]
 Grads = tuple[Tensor, Tensor, Tensor]
 
-# Thresholds measured on a 2-core CPU with benchmarks/kernels.py and one torch thread (see docs/BENCHMARKS.md;
-# the machine is shared and noisy: re-measure before trusting small differences).
+# Thresholds measured on a 2-core CPU, one torch thread, with
+# `python benchmarks/kernels.py --threads 1 --n 16 32 64 128 256 4096` (docs/BENCHMARKS.md; the machine is shared
+# and noisy: re-measure before trusting small differences). Forward times below are dense vs grouped.
 # Up to this many (token, slot) pairs a plain loop of vector-matrix products wins: it reads only the selected
 # experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
 GATHER_MAX_PAIRS = 8
 # Above that, dense wastes (E*min(I, R)/S - 1) times the useful MACs while grouped pays a roughly fixed cost per
 # expert (sort, gathers, index_add, small GEMMs): worth about this many MACs each. It puts the crossover at
-# N ~ 140 tokens for 47M (dense 1.35 vs 1.70 ms forward at N = 128, grouped 1.65 vs 1.97 ms at N = 256) and
-# N ~ 30 for 262M (dense 1.14 vs 1.27 ms at N = 16, even at N = 32).
+# N ~ 140 tokens for 47M (47M O: 1.20 vs 1.47 ms at N = 128, 2.31 vs 2.34 ms at N = 256) and N ~ 30 for 262M
+# (262M O: 1.15 vs 1.68 ms at N = 16, 1.85 vs 1.87 ms at N = 32, 3.21 vs 3.10 ms at N = 64).
 GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
 # Forward only, and only when dense runs every expert on the inputs (V-like, I <= R), dense also wins at any N
 # up to this waste: its output side is narrow, so its one big GEMM beats gathering the wide input rows of every
-# pair (47M V, waste 1.67, N = 4096, four runs: dense 31-34 ms, grouped 33-48 ms).
+# pair (47M V, waste 1.67: 36.0 vs 47.4 ms at N = 4096).
 DENSE_MAX_WASTE_EXPAND = 1.8
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
 DENSE_BROADCAST_MAX_ROWS = 64
 # The grouped regime works on blocks of one expert's pairs of at most this many elements in their widest
-# operand (see `_expert_blocks`): 256 rows for 262M (5-10 % faster than whole experts at N = 4096: 110 vs 123 ms
-# forward, 213 vs 228 ms backward); 1024 rows for the replication model (d_model 256, bf16), whose forward with
-# 256-row blocks was slower than the previous whole-expert code (6.2 vs 5.0 ms) and with 1024 faster (3.6 vs 4.2).
+# operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Chosen from side-by-side runs against whole
+# experts and other block sizes while developing (whole experts were 5-10 % slower for 262M at N = 4096; for the
+# smaller shapes the differences were within the noise); no kept script sweeps it.
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
 
 
@@ -215,32 +216,38 @@ def dense_backward(
 # grouped: one GEMM per expert over the pairs sorted by expert
 
 
-def _expert_blocks(index: Tensor, n_experts: int, width: int) -> tuple[Tensor, list[tuple[int, slice]]]:
-    """The (token, slot) pairs sorted by expert, and (expert, slice of that order) blocks of one expert each.
+class _Plan(NamedTuple):
+    """The (token, slot) pairs in expert order and what the grouped regime needs of them."""
 
-    A block holds at most GROUPED_BLOCK_ELEMENTS / width pairs so that every temporary stays small: on the CPU
-    a fresh [N*S, D] buffer costs page faults that rival the GEMMs (262M V, N = 4096: copying the input rows
-    of all pairs at once took longer than the same-FLOP matmul), while block-sized ones are recycled by the
-    allocator and stay in cache between gather and GEMM.
-    """
+    order: Tensor  # pair ids sorted by expert (stable)
+    src: Tensor  # input row of each sorted pair
+    dst: Tensor  # output row of each sorted pair
+    gates: Tensor | None  # [P, 1] gate of each sorted pair in the accumulation dtype
+    blocks: list[tuple[int, slice]]  # (expert, slice of the sorted pairs), one expert per block
+
+
+def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: int, acc: torch.dtype) -> _Plan:
+    """Blocks hold at most GROUPED_BLOCK_ELEMENTS / (widest side) pairs so that every temporary stays small: on
+    the CPU a fresh [N*S, D] buffer is zero-filled page by page on first touch, a cost of the order of the GEMMs,
+    while block-sized ones are recycled by the allocator and stay in cache between gather and GEMM."""
+    slots = index.shape[1]
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    rows = max(1, GROUPED_BLOCK_ELEMENTS // width)
+    rows = max(1, GROUPED_BLOCK_ELEMENTS // max(weight.shape[1:]))
     blocks, start = [], 0
-    for e, c in enumerate(torch.bincount(flat, minlength=n_experts).tolist()):
+    for e, c in enumerate(torch.bincount(flat, minlength=weight.shape[0]).tolist()):
         blocks += [(e, slice(b, min(b + rows, start + c))) for b in range(start, start + c, rows)]
         start += c
-    return order, blocks
+    gates = None if gate is None else gate.reshape(-1)[order].to(acc).unsqueeze(-1)
+    return _Plan(order, order // (slots // n_in), order // (slots // n_out), gates, blocks)
 
 
 def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
-    n, slots = index.shape
+    n = index.shape[0]
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
     x2 = x.reshape(-1, d_in)
-    order, blocks = _expert_blocks(index, weight.shape[0], max(d_in, d_out))
-    src, dst = order // (slots // x.shape[1]), order // (slots // n_out)
-    gates = None if gate is None else gate.reshape(-1)[order].to(acc).unsqueeze(-1)
+    _, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], n_out, acc)
     # Gate whichever side of the product is narrower (for fp32; half inputs are gated after the cast to fp32).
     gate_rows = gate is not None and x.dtype == acc and d_in < d_out
     out = torch.zeros(n * n_out, d_out, dtype=acc, device=x.device)
@@ -262,12 +269,11 @@ def grouped_backward(
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
     x2, g2 = x.reshape(-1, d_in), grad.reshape(-1, d_out).to(x.dtype)
-    order, blocks = _expert_blocks(index, weight.shape[0], max(d_in, d_out))
-    src, dst = order // (slots // x.shape[1]), order // (slots // grad.shape[1])
-    gates = None if gate is None else gate.reshape(-1)[order].to(acc).unsqueeze(-1)
+    order, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc)
     grad_x = torch.zeros(n * x.shape[1], d_in, dtype=acc, device=x.device)
     grad_w = torch.zeros_like(weight, dtype=acc)  # blocks of one expert add up here
-    gate_grad_sorted = torch.empty(n * slots, dtype=acc, device=x.device) if gates is not None else None
+    need_gate_grad = need_gate_grad and gates is not None
+    gate_grad_sorted = torch.empty(n * slots, dtype=acc, device=x.device) if need_gate_grad else None
     for e, b in blocks:
         xs, gs = x2[src[b]], g2[dst[b]]
         # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u> (= <x @ W, g>),
@@ -281,7 +287,7 @@ def grouped_backward(
         grad_x.index_add_(0, src[b], u)
         grad_w[e] += (xs.t() @ gs).to(acc)
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    if gate is not None and need_gate_grad:
+    if need_gate_grad:
         grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
         grad_gate[order] = gate_grad_sorted.to(gate.dtype)
         grad_gate = grad_gate.view(n, slots)
