@@ -12,6 +12,9 @@ Three regimes, each with its own forward and backward, picked per call by `choos
   MACs, but gathers, index_adds and small GEMMs whose cost per expert is roughly fixed; wins for large N.
   Its backward gets the gate gradient from the input-gradient GEMM, so it never recomputes the forward.
 
+Rows are gathered with ``index_select``, never advanced indexing: for whole rows on the CPU ``x[idx]`` goes
+through the generic indexing kernel and was about 5x slower.
+
 The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-core CPU
 (docs/BENCHMARKS.md); re-measure before changing them.
 """
@@ -34,20 +37,16 @@ Grads = tuple[Tensor, Tensor, Tensor]
 GATHER_MAX_PAIRS = 8
 # Above that, dense wastes (E*min(I, R)/S - 1) times the useful MACs while grouped pays a roughly fixed cost per
 # expert (sort, gathers, index_add, small GEMMs): worth about this many MACs each. It puts the crossover at
-# N ~ 140 tokens for 47M (47M O: 1.20 vs 1.47 ms at N = 128, 2.31 vs 2.34 ms at N = 256) and N ~ 30 for 262M
-# (262M O: 1.15 vs 1.68 ms at N = 16, 1.85 vs 1.87 ms at N = 32, 3.21 vs 3.10 ms at N = 64).
+# N ~ 140 tokens for 47M (47M O: 1.12 vs 1.27 ms at N = 128, 2.15 vs 1.96 ms at N = 256), N ~ 30 for 262M
+# (262M V: 1.18 vs 1.34 ms at N = 16, 1.80 vs 1.48 ms at N = 32) and N ~ 44 for sigma-MoE (measured: ~30).
 GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
-# Forward only, and only when dense runs every expert on the inputs (V-like, I <= R), dense also wins at any N
-# up to this waste: its output side is narrow, so its one big GEMM beats gathering the wide input rows of every
-# pair (47M V, waste 1.67: 36.0 vs 47.4 ms at N = 4096).
-DENSE_MAX_WASTE_EXPAND = 1.8
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
 DENSE_BROADCAST_MAX_ROWS = 64
 # The grouped regime works on blocks of one expert's pairs of at most this many elements in their widest
-# operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Chosen from side-by-side runs against whole
-# experts and other block sizes while developing (whole experts were 5-10 % slower for 262M at N = 4096; for the
-# smaller shapes the differences were within the noise); no kept script sweeps it.
+# operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Swept by
+# `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
+# the fastest or within 6 % of it in every case, while each other size was 10-20 % behind somewhere.
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
 
 
@@ -57,11 +56,8 @@ def choose_regime(
     if n * slots <= GATHER_MAX_PAIRS:
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
-    if _dense_expands_inputs(n_in, n_out):
-        if backward:
-            return "grouped"  # that dense backward recomputes the forward for its gate gradient, at full waste
-        if waste <= DENSE_MAX_WASTE_EXPAND:
-            return "dense"
+    if backward and _dense_expands_inputs(n_in, n_out):
+        return "grouped"  # that dense backward recomputes the forward for its gate gradient, at full waste
     wasted_macs = (waste - 1) * n * slots * d_in * d_out
     return "dense" if wasted_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
 
@@ -109,7 +105,7 @@ def gather_backward(
     n, slots = index.shape
     acc = _acc_dtype(x)
     flat = index.reshape(-1)
-    w = weight[flat]  # [P, D_in, D_out]
+    w = weight.index_select(0, flat)  # [P, D_in, D_out]
     xs = _per_slot(x, slots).reshape(n * slots, -1)
     gs = _per_slot(grad, slots).reshape(n * slots, 1, -1).to(x.dtype)
     u = torch.bmm(gs, w.transpose(1, 2)).view(n * slots, -1).to(acc)  # un-gated; <x, u> is the gate gradient
@@ -154,10 +150,13 @@ def _all_experts(x: Tensor, weight: Tensor, index: Tensor) -> Tensor:
     rows = torch.arange(n, device=x.device).unsqueeze(1) * n_in + _slot_rows(slots, n_in, x.device)
     if n * n_in <= DENSE_BROADCAST_MAX_ROWS:
         # detached: for inputs that require grad, matmul takes a 2-3x slower broadcast route (262M V, N = 16)
-        return torch.matmul(x.reshape(1, n * n_in, d_in).detach(), weight.detach())[index, rows]  # [N, S, D_out]
-    w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
-    y_all = (x.reshape(n * n_in, d_in) @ w_cat).view(n * n_in, n_experts, d_out)
-    return y_all[rows, index]
+        y_all = torch.matmul(x.reshape(1, n * n_in, d_in).detach(), weight.detach())  # [E, N*I, D_out]
+        pick = index * (n * n_in) + rows
+    else:
+        w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
+        y_all = x.reshape(n * n_in, d_in) @ w_cat  # [N*I, E*D_out]
+        pick = rows * n_experts + index
+    return y_all.reshape(-1, d_out).index_select(0, pick.reshape(-1)).view(n, slots, d_out)
 
 
 def dense_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
@@ -207,7 +206,7 @@ def dense_backward(
     if gate is not None and need_gate_grad:
         sel = _slot_rows(slots, n_out, x.device) * n_experts + index
         gz = grad_z.gather(1, sel.unsqueeze(-1).expand(n, slots, d_in)).to(acc)
-        xs = x.to(acc)[:, in_rows]
+        xs = x.to(acc).index_select(1, in_rows)
         grad_gate = (gz * xs).sum(-1).to(gate.dtype)
     return grad_x, grad_w, grad_gate
 
@@ -238,7 +237,7 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
     for e, c in enumerate(torch.bincount(flat, minlength=weight.shape[0]).tolist()):
         blocks += [(e, slice(b, min(b + rows, start + c))) for b in range(start, start + c, rows)]
         start += c
-    gates = None if gate is None else gate.reshape(-1)[order].to(acc).unsqueeze(-1)
+    gates = None if gate is None else gate.reshape(-1).index_select(0, order).to(acc).unsqueeze(-1)
     return _Plan(order, order // (slots // n_in), order // (slots // n_out), gates, blocks)
 
 
@@ -252,7 +251,7 @@ def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
     gate_rows = gate is not None and x.dtype == acc and d_in < d_out
     out = torch.zeros(n * n_out, d_out, dtype=acc, device=x.device)
     for e, b in blocks:
-        rows = x2[src[b]]
+        rows = x2.index_select(0, src[b])
         if gate_rows:
             rows.mul_(gates[b])
         y = (rows @ weight[e]).to(acc)
@@ -275,7 +274,7 @@ def grouped_backward(
     need_gate_grad = need_gate_grad and gates is not None
     gate_grad_sorted = torch.empty(n * slots, dtype=acc, device=x.device) if need_gate_grad else None
     for e, b in blocks:
-        xs, gs = x2[src[b]], g2[dst[b]]
+        xs, gs = x2.index_select(0, src[b]), g2.index_select(0, dst[b])
         # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u> (= <x @ W, g>),
         # so the forward product is never recomputed: three GEMMs per expert, as for a plain linear layer.
         u = (gs @ weight[e].t()).to(acc)
@@ -289,7 +288,7 @@ def grouped_backward(
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if need_gate_grad:
         grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
-        grad_gate[order] = gate_grad_sorted.to(gate.dtype)
+        grad_gate.index_copy_(0, order, gate_grad_sorted.to(gate.dtype))
         grad_gate = grad_gate.view(n, slots)
     return grad_x.view_as(x).to(x.dtype), grad_w.to(weight.dtype), grad_gate
 
