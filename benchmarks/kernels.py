@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py            # CPU table (and the GPU table when CUDA is available)
     python benchmarks/kernels.py --quick    # fewer repeats
+    python benchmarks/kernels.py --n 256 4096 --block-elements 65536 262144 1048576 0   # grouped block sizes
 
 CPU: every PyTorch regime (gather / dense / grouped) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -146,6 +147,39 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
     return lines
 
 
+def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
+    """The grouped regime's forward and backward at several block sizes (0: one block per expert)."""
+    label = [f"{s // 1024}K" if s else "expert" for s in sizes]
+    lines = [
+        "| case | N | " + " | ".join(f"{c} fwd | {c} bwd" for c in label) + " |",
+        "|---|---|" + "---|---|" * len(sizes),
+    ]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    default = torch_paths.GROUPED_BLOCK_ELEMENTS
+    for case in CASES:
+        for n in ns:
+            x, w, index, gate = make_inputs(case, n, torch.float32, "cpu")
+            grad = torch.randn(n, case.n_out, case.d_out)
+
+            def sized(fn: Callable, size: int, *args) -> Callable[[], object]:
+                def run() -> object:
+                    torch_paths.GROUPED_BLOCK_ELEMENTS = size or 1 << 62
+                    return fn(*args)
+
+                return run
+
+            fns = {}
+            for size in sizes:
+                fns[f"{size} fwd"] = sized(torch_paths.grouped_forward, size, x, w, index, gate, case.n_out)
+                fns[f"{size} bwd"] = sized(torch_paths.grouped_backward, size, grad, x, w, index, gate, True)
+            t = interleaved_min_ms(fns, repeats)
+            torch_paths.GROUPED_BLOCK_ELEMENTS = default
+            cells = " | ".join(f"{t[f'{s} fwd']:.3f} | {t[f'{s} bwd']:.3f}" for s in sizes)
+            lines.append(f"| {case.name} | {n} | {cells} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def gpu_table(ns: list[int]) -> list[str]:
     from triton.testing import do_bench
 
@@ -183,6 +217,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--n", type=int, nargs="*", default=[1, 16, 256, 4096], help="token counts")
     parser.add_argument("--no-cpu", action="store_true")
+    parser.add_argument(
+        "--block-elements",
+        type=int,
+        nargs="*",
+        help="only time the grouped regime at these block sizes (0: whole experts)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -190,6 +230,10 @@ def main() -> None:
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
+    if args.block_elements:
+        print("\n## CPU grouped regime by block size (fp32, best of the interleaved repeats, ms)\n")
+        block_table(args.n, args.block_elements, 5 if args.quick else 15)
+        return
     if not args.no_cpu:
         print("\n## CPU (fp32, best of the interleaved repeats, ms)\n")
         cpu_table(args.n, 5 if args.quick else 15)
