@@ -298,40 +298,34 @@ def test_model_triton_equals_torch(preset, backend):
         torch.testing.assert_close(results["triton"][1][k], g, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _compile_for_gpu(jit_fn, pointers: dict[str, str], constexprs: dict, arch: int, **options) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32") for name in jit_fn.arg_names}
-    const = {(jit_fn.arg_names.index(name),): value for name, value in constexprs.items()}
-    triton.compile(ASTSource(jit_fn, signature, const), target=GPUTarget("cuda", arch, 32), options=options)
-
-
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-def test_triton_kernels_compile_for_gpu(dtype, monkeypatch):
-    """The interpreter skips Triton's compiler; compile every kernel to a real sm_90 binary (no GPU needed)."""
+@pytest.mark.parametrize(
+    "dtype, tf32, every_config",
+    [(torch.bfloat16, False, True), (torch.float32, False, True), (torch.float16, False, False)],
+    ids=["bf16", "fp32-ieee", "fp16"],
+)
+def test_triton_builds_for_sm90_pipelined_without_spills(dtype, tf32, every_config, monkeypatch):
+    """The interpreter skips Triton's compiler: build every launch of a forward and backward (and of a decode
+    step) for sm_90 with each config the tuner would try, at widths that are not multiples of 16 (as the 47M
+    model's 412 and 76), and check what the binaries would use: no register spills, async tile loads."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from switchhead.kernels import triton_kernels
+    from switchhead.kernels import gpu_build, triton_kernels
 
-    tk = triton_kernels.load()
-    assert not tk._INTERPRETED
-    precision = "ieee" if dtype == "fp32" else "tf32"
-    ptrs = {"order_ptr": "*i32", "offsets_ptr": "*i32", "gate_ptr": "*fp32", "gate_grad_ptr": "*fp32", "c_ptr": "*fp32"}
-    ptrs.update(
-        {name: f"*{dtype}" for name in ["a_ptr", "w_ptr", "partner_ptr", "x_ptr", "g_ptr", "dw_ptr", "out_ptr"]}
-    )
-    flags = {"HAS_GATE": True, "GATE_GRAD": True, "ATOMIC": True, "PRECISION": precision, "DOT_FP32": False}
-    tiles = {"E_PAD": 16, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
-    _compile_for_gpu(tk._grouped_matmul_kernel.fn, ptrs, {**flags, **tiles}, 90, num_warps=4, num_stages=3)
-    wg_consts = {
-        "HAS_GATE": True,
-        "PRECISION": precision,
-        "DOT_FP32": False,
-        "BLOCK_P": 32,
-        "BLOCK_K": 64,
-        "BLOCK_N": 64,
-    }
-    _compile_for_gpu(tk._weight_grad_kernel.fn, ptrs, wg_consts, 90, num_warps=4, num_stages=3)
-    ptrs["index_ptr"] = "*i64"
-    _compile_for_gpu(tk._gather_kernel, ptrs, {"HAS_GATE": True, "BLOCK_K": 128, "BLOCK_N": 32}, 90, num_warps=4)
+    assert not triton_kernels.load()._INTERPRETED
+    _, many = make(Shape(40, 2, 6, 1, 10, 76, 20), dtype)  # an O projection over 40 tokens
+    _, decode = make(Shape(2, 1, 6, 2, 10, 20, 76), dtype)  # a V projection at decode (the gather kernel)
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32  # a property of torch's cuBLAS module: set and restore
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        launches = gpu_build.launches(*many[:4], 1) + gpu_build.launches(*decode[:4], 2)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+    expected = ["_grouped_matmul_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel"]  # fwd, grad_x, grad_w
+    expected += ["_gather_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel"]
+    assert [launch.kernel for launch in launches] == expected
+    for launch in launches:
+        configs = gpu_build.configs(launch)
+        for config in configs if every_config else configs[:1]:
+            build = gpu_build.build(launch, config)
+            assert build.stack_bytes == 0, (launch.kernel, config, build)
+            if launch.kernel != "_gather_kernel":  # the decode kernel reads unpadded rows
+                assert build.async_copies and (build.tensor_cores or dtype == torch.float32), (launch.kernel, build)

@@ -17,7 +17,10 @@ Three kernels, each followed by its launcher:
    empty: one program per output row and column block loads the selected expert columns directly.
 
 Autotuning keys use the pair count rounded up to a power of two (`_bucket`), so a new sequence length does
-not trigger a new tuning run. Under TRITON_INTERPRET=1 (CPU tests) a single small config is used.
+not trigger a new tuning run; each precision has its own tiles (tensor cores, or FMA units for fp32 without
+TF32). Rows are zero-padded to a multiple of 16 elements (`ALIGN`) so that every build gets aligned, pipelined
+tile loads. `gpu_build` builds the kernels for a GPU without one to check both. Under TRITON_INTERPRET=1 (CPU
+tests) a single small config is used.
 
 TRITON_INTERPRET is read by ``triton.jit`` when this module is imported; `load` re-imports the module when
 the variable changed since, so tests can switch to the interpreter at run time.
@@ -38,6 +41,13 @@ from triton import knobs
 from switchhead.kernels.ops import KernelBackendError
 
 _INTERPRETED: bool = knobs.runtime.interpret
+
+# The tiled kernels see rows (and the expert matrices' rows) zero-padded to a multiple of this many elements.
+# Triton specialises integer arguments divisible by 16, and only then can it prove a tile's rows aligned: for the
+# 47M shapes (d_model 412, d_head 76) the sm_90 build otherwise fell back to scalar loads without async copies,
+# 255 registers and spills (`python benchmarks/kernel_resources.py`). The padded zeros add nothing to any result.
+# The gather kernel (decode) is not padded: copying every expert would cost more than the few it reads.
+ALIGN = 16
 
 # Up to this many tokens the gather kernel runs the forward (no sorting, no tiles). A guess from the tile
 # geometry (a 64-row tile of sorted pairs is < 10% full below it); not measured on a GPU yet.
@@ -70,26 +80,59 @@ def _dot_fp32(dtype: torch.dtype) -> bool:
     return _INTERPRETED and dtype == torch.bfloat16
 
 
-def _matmul_configs() -> list[triton.Config]:
-    if _INTERPRETED:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1)]
-    shapes = [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for m, n, k, w, s in shapes
-    ]
+# Tiles (block sizes, warps, stages) the autotuner tries. Every one was built for sm_90 at the paper's shapes by
+# `python benchmarks/kernel_resources.py` (docs/BENCHMARKS.md) and kept only if it needs no register spills.
+# fp32 without TF32 (PRECISION "ieee") runs tl.dot on the FMA units, where each thread holds whole rows and
+# columns of its operands: the tensor-core tiles spilled there (`--every-tile`: 49 of 162 builds, up to 11 KB of
+# stack per thread for the weight gradient), so that precision gets smaller tiles of its own.
+_MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+    "mma": [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)],
+    "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 4, 4), (64, 32, 64, 4, 4), (32, 32, 32, 4, 4)],
+}
+_WEIGHT_GRAD_TILES = {  # BLOCK_P, BLOCK_K, BLOCK_N, warps, stages
+    "mma": [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)],
+    "fma": [(16, 64, 64, 4, 4), (32, 32, 64, 4, 4), (32, 64, 32, 4, 4), (16, 64, 64, 8, 4)],
+}
 
 
-def _weight_grad_configs() -> list[triton.Config]:
+def _unit(precision: str) -> str:
+    return "fma" if precision == "ieee" else "mma"
+
+
+def _configs(names: tuple[str, str, str], tiles: dict[str, list[tuple]]) -> dict[str, list[triton.Config]]:
     if _INTERPRETED:
-        return [triton.Config({"BLOCK_P": 16, "BLOCK_K": 16, "BLOCK_N": 16}, num_warps=1)]
-    shapes = [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)]
-    return [
-        triton.Config({"BLOCK_P": p, "BLOCK_K": k, "BLOCK_N": n}, num_warps=w, num_stages=s) for p, k, n, w, s in shapes
-    ]
+        one = [triton.Config(dict.fromkeys(names, 16), num_warps=1)]
+        return {"mma": one, "fma": one}
+    return {
+        unit: [triton.Config(dict(zip(names, t[:3])), num_warps=t[3], num_stages=t[4]) for t in unit_tiles]
+        for unit, unit_tiles in tiles.items()
+    }
+
+
+_MATMUL_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K"), _MATMUL_TILES)
+_WEIGHT_GRAD_CONFIGS = _configs(("BLOCK_P", "BLOCK_K", "BLOCK_N"), _WEIGHT_GRAD_TILES)
+
+
+def _pruner(by_unit: dict[str, list[triton.Config]]):
+    """early_config_prune: only the tiles made for the precision of this launch."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        precision = kwargs.get("PRECISION", named_args.get("PRECISION"))
+        mine = by_unit[_unit(precision)]
+        return [c for c in configs if any(c is m for m in mine)]
+
+    return prune
+
+
+def _all(by_unit: dict[str, list[triton.Config]]) -> list[triton.Config]:
+    seen: list[triton.Config] = []
+    for configs in by_unit.values():
+        seen += [c for c in configs if not any(c is s for s in seen)]
+    return seen
 
 
 def _min_block_n() -> int:
-    return min(c.kwargs["BLOCK_N"] for c in _matmul_configs())
+    return min(c.kwargs["BLOCK_N"] for c in _all(_MATMUL_CONFIGS))
 
 
 def _require_runnable(t: Tensor) -> None:
@@ -149,8 +192,9 @@ def _tile_owner(tile, offsets_ptr, n_experts, BLOCK_M: tl.constexpr, E_PAD: tl.c
 
 
 @triton.autotune(
-    configs=_matmul_configs(),
-    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_PER", "C_PER"],
+    configs=_all(_MATMUL_CONFIGS),
+    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_PER", "C_PER", "PRECISION"],
+    prune_configs_by={"early_config_prune": _pruner(_MATMUL_CONFIGS)},
     # Tuning runs every config: with ATOMIC the output accumulates, and a config with narrower BLOCK_N fills
     # more rows of the gate-gradient partials than the winner will; both are zeroed between runs.
     reset_to_zero=["c_ptr", "gate_grad_ptr"],
@@ -259,7 +303,11 @@ def _grouped_matmul(
 # 2. Expert-grouped weight gradient (deterministic)
 
 
-@triton.autotune(configs=_weight_grad_configs(), key=["D_IN", "D_OUT", "M_BUCKET", "n_experts"])
+@triton.autotune(
+    configs=_all(_WEIGHT_GRAD_CONFIGS),
+    key=["D_IN", "D_OUT", "M_BUCKET", "n_experts", "PRECISION"],
+    prune_configs_by={"early_config_prune": _pruner(_WEIGHT_GRAD_CONFIGS)},
+)
 @triton.jit
 def _weight_grad_kernel(
     x_ptr, g_ptr, gate_ptr, order_ptr, offsets_ptr, dw_ptr,
@@ -379,10 +427,22 @@ def _gather(x2: Tensor, x_per: int, weight: Tensor, index: Tensor, gate: Tensor 
 # Entry points used by `ops`
 
 
-def _rows(t: Tensor) -> Tensor:
-    """[N, rows, D] -> [N*rows, D] with unit stride along D (the kernels assume it)."""
+def _rows(t: Tensor, width: int | None = None) -> Tensor:
+    """[N, rows, D] -> [N*rows, D] with unit stride along D (the kernels assume it), zero-padded to `width`."""
     t = t.reshape(-1, t.shape[-1])
+    if width is not None and width != t.shape[-1]:
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _aligned(d: int) -> int:
+    return -(-d // ALIGN) * ALIGN
+
+
+def _padded_weight(weight: Tensor, d_in: int, d_out: int) -> Tensor:
+    if weight.shape[1:] == (d_in, d_out):
+        return weight
+    return torch.nn.functional.pad(weight, (0, d_out - weight.shape[2], 0, d_in - weight.shape[1]))
 
 
 def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
@@ -390,14 +450,16 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     n, n_in, _ = x.shape
     n_experts, _, d_out = weight.shape
     slots = index.shape[1]
-    x2 = _rows(x)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
     if n <= GATHER_MAX_TOKENS:
-        out = _gather(x2, slots // n_in, weight, index.reshape(-1).contiguous(), flat_gate, n * n_out, slots // n_out)
+        flat_index = index.reshape(-1).contiguous()
+        out = _gather(_rows(x), slots // n_in, weight, flat_index, flat_gate, n * n_out, slots // n_out)
         return out.view(n, n_out, d_out)
     order, offsets = _sort_pairs(index, n_experts)
-    out, _ = _grouped_matmul(x2, slots // n_in, weight, False, n * n_out, slots // n_out, order, offsets, flat_gate)
-    return out.to(x.dtype).view(n, n_out, d_out)
+    d_in_p, d_out_p = _aligned(weight.shape[1]), _aligned(d_out)
+    x2, w = _rows(x, d_in_p), _padded_weight(weight, d_in_p, d_out_p)
+    out, _ = _grouped_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate)
+    return out[:, :d_out].to(x.dtype).reshape(n, n_out, d_out).contiguous()
 
 
 def backward(
@@ -405,9 +467,11 @@ def backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     _require_runnable(x)
     n, n_in, _ = x.shape
-    n_experts = weight.shape[0]
+    n_experts, d_in, d_out = weight.shape
     n_out, slots = grad.shape[1], index.shape[1]
-    x2, g2 = _rows(x), _rows(grad.to(x.dtype))
+    d_in_p, d_out_p = _aligned(d_in), _aligned(d_out)
+    x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
+    weight = _padded_weight(weight, d_in_p, d_out_p)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
     order, offsets = _sort_pairs(index, n_experts)
     want_gate_grad = gate is not None and need_gate_grad
@@ -420,4 +484,5 @@ def backward(
         grad_gate = gate_grad.view(n, slots).to(gate.dtype)
     else:
         grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    return grad_x.to(x.dtype).view_as(x), grad_w.to(weight.dtype), grad_gate
+    grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
+    return grad_x, grad_w[:, :d_in, :d_out].to(x.dtype).contiguous(), grad_gate

@@ -1,0 +1,127 @@
+"""Build the Triton kernels for a GPU without having one, and read what each build would use on it.
+
+`launches` runs the op's Triton forward and backward on CPU tensors with the kernels swapped for recorders, so
+the recorded arguments are exactly what a CUDA run passes. `build` compiles one recorded launch with one of its
+autotune configs through Triton's own argument specialisation (pointer alignment, integers equal to 1 folded,
+integers divisible by 16 marked) for a CUDA architecture, and reads registers and stack (spills) from the
+binary with the cuobjdump that ships with Triton, shared memory from the build, and whether the main loop got
+async copies and tensor-core instructions from the PTX.
+
+Nothing here measures speed; it catches builds that cannot be fast: register spills, scalar loads, no
+pipelining. Used by `benchmarks/kernel_resources.py` and the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Launch:
+    kernel: str  # attribute name in triton_kernels
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class Build:
+    registers: int
+    stack_bytes: int  # per thread; > 0 means spills (the kernels keep no local arrays)
+    shared_bytes: int
+    async_copies: bool  # cp.async in the PTX: tile loads are vectorised and pipelined
+    tensor_cores: bool  # wgmma or mma in the PTX
+
+
+KERNELS = ("_grouped_matmul_kernel", "_weight_grad_kernel", "_gather_kernel")
+
+
+def _compiled_module() -> ModuleType:
+    from switchhead.kernels import triton_kernels
+
+    if triton_kernels._INTERPRETED:
+        raise RuntimeError("gpu_build needs the compiled kernels: unset TRITON_INTERPRET")
+    return triton_kernels
+
+
+class _Recorder:
+    def __init__(self, name: str, into: list[Launch]):
+        self.name, self.into = name, into
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.into.append(Launch(self.name, args, kwargs))
+
+
+@contextmanager
+def _recording(tk: ModuleType, into: list[Launch]):
+    saved = {name: getattr(tk, name) for name in (*KERNELS, "_require_runnable")}
+    try:
+        for name in KERNELS:
+            setattr(tk, name, _Recorder(name, into))
+        tk._require_runnable = lambda t: None
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(tk, name, value)
+
+
+def launches(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> list[Launch]:
+    """The kernel launches of one forward and one backward (all gradients) of the Triton op on these inputs."""
+    tk = _compiled_module()
+    recorded: list[Launch] = []
+    with _recording(tk, recorded):
+        tk.forward(x, weight, index, gate, n_out)
+        grad = torch.zeros(x.shape[0], n_out, weight.shape[2], dtype=x.dtype)
+        tk.backward(grad, x, weight, index, gate, gate is not None)
+    return recorded
+
+
+def configs(launch: Launch, prune: bool = True) -> list:
+    """The autotune configs the tuner would try for this launch (after its precision pruning unless `prune` is
+    False); [None] if the kernel is not autotuned (its block sizes are in the launch's own arguments)."""
+    kernel = getattr(_compiled_module(), launch.kernel)
+    if not hasattr(kernel, "configs"):
+        return [None]
+    if not (prune and kernel.early_config_prune):
+        return list(kernel.configs)
+    return kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, launch.args)), **launch.kwargs)
+
+
+def build(launch: Launch, config=None, arch: int = 90) -> Build:
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = getattr(_compiled_module(), launch.kernel)
+    fn = kernel.fn if hasattr(kernel, "configs") else kernel  # the JITFunction, under its Autotuner if tuned
+    kwargs = {**launch.kwargs, **(config.all_kwargs() if config is not None else {})}
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(item.split(":", 1) for item in usage.split() if item.split(":", 1)[0] in ("REG", "STACK"))
+    ptx = compiled.asm["ptx"]
+    return Build(
+        registers=int(fields["REG"]),
+        stack_bytes=int(fields["STACK"]),
+        shared_bytes=compiled.metadata.shared,
+        async_copies="cp.async" in ptx,
+        tensor_cores="wgmma" in ptx or "mma.sync" in ptx,
+    )
