@@ -49,6 +49,10 @@ _INTERPRETED: bool = knobs.runtime.interpret
 # The gather kernel (decode) is not padded: copying every expert would cost more than the few it reads.
 ALIGN = 16
 
+# Build options fixed rather than left to Triton's defaults: FMA contraction of a*b+c, on until Triton 3.9 and
+# announced to turn off in 3.10 (3.9 warns when it is unset), stays on so results do not change with the version.
+_BUILD = {"enable_fp_fusion": True}
+
 # Up to this many tokens the gather kernel runs the forward (no sorting, no tiles). A guess from the tile
 # geometry (a 64-row tile of sorted pairs is < 10% full below it); not measured on a GPU yet.
 GATHER_MAX_TOKENS = 8
@@ -83,8 +87,8 @@ def _dot_fp32(dtype: torch.dtype) -> bool:
 # Tiles (block sizes, warps, stages) the autotuner tries. Every one was built for sm_90 at the paper's shapes by
 # `python benchmarks/kernel_resources.py` (docs/BENCHMARKS.md) and kept only if it needs no register spills.
 # fp32 without TF32 (PRECISION "ieee") runs tl.dot on the FMA units, where each thread holds whole rows and
-# columns of its operands: the tensor-core tiles spilled there (`--every-tile`: 49 of 162 builds, up to 11 KB of
-# stack per thread for the weight gradient), so that precision gets smaller tiles of its own.
+# columns of its operands: the tensor-core tiles spilled there (`--every-tile`, triton 3.9: 44 of 162 builds, up to
+# 11 KB of stack per thread for the weight gradient), so that precision gets smaller tiles of its own.
 _MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     "mma": [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)],
     "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 4, 4), (64, 32, 64, 4, 4), (32, 32, 32, 4, 4)],
@@ -294,7 +298,7 @@ def _grouped_matmul(
         a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0),
         partner.stride(0) if partner is not None else 0,
         HAS_GATE=gate is not None, GATE_GRAD=partner is not None, ATOMIC=atomic, PRECISION=_precision(a.dtype),
-        DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts),
+        DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
     )  # fmt: skip
     return c, (gate_grad.sum(0) if gate_grad is not None else None)
 
@@ -366,7 +370,7 @@ def _weight_grad(
         x2, g2, gate if gate is not None else x2, order, offsets, dw,
         n_experts, d_in, d_out, _bucket(order.numel()), x_per, g_per,
         x2.stride(0), g2.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-        HAS_GATE=gate is not None, PRECISION=_precision(x2.dtype), DOT_FP32=_dot_fp32(x2.dtype),
+        HAS_GATE=gate is not None, PRECISION=_precision(x2.dtype), DOT_FP32=_dot_fp32(x2.dtype), **_BUILD,
     )  # fmt: skip
     return dw
 
@@ -418,7 +422,7 @@ def _gather(x2: Tensor, x_per: int, weight: Tensor, index: Tensor, gate: Tensor 
         x2, weight, index, gate if gate is not None else x2, out,
         d_in, d_out, x_per, c_per,
         x2.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0),
-        HAS_GATE=gate is not None, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=1 if _INTERPRETED else 4,
+        HAS_GATE=gate is not None, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=1 if _INTERPRETED else 4, **_BUILD,
     )  # fmt: skip
     return out
 
