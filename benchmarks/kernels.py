@@ -3,6 +3,7 @@
     python benchmarks/kernels.py            # CPU table (and the GPU table when CUDA is available)
     python benchmarks/kernels.py --quick    # fewer repeats
     python benchmarks/kernels.py --n 256 4096 --block-elements 65536 262144 1048576 0   # grouped block sizes
+    python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
 
 CPU: every PyTorch regime (gather / dense / grouped) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -147,6 +148,31 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
     return lines
 
 
+def regime_table(ns: list[int], regimes: list[str], repeats: int) -> list[str]:
+    """Forward and backward (all gradients) of each named PyTorch regime, called directly."""
+    lines = [
+        "| case | N | " + " | ".join(f"{r} fwd | {r} bwd" for r in regimes) + " |",
+        "|---|---|" + "---|---|" * len(regimes),
+    ]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    for case in CASES:
+        for n in ns:
+            x, w, index, gate = make_inputs(case, n, torch.float32, "cpu")
+            grad = torch.randn(n, case.n_out, case.d_out)
+            fns = {}
+            for r in regimes:
+                fns[f"{r} fwd"] = _call(torch_paths.FORWARD[r], x, w, index, gate, case.n_out)
+                fns[f"{r} bwd"] = _call(torch_paths.BACKWARD[r], grad, x, w, index, gate, True)
+            t = interleaved_min_ms(fns, repeats)
+            lines.append(
+                f"| {case.name} | {n} | "
+                + " | ".join(f"{t[f'{r} fwd']:.3f} | {t[f'{r} bwd']:.3f}" for r in regimes)
+                + " |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
     """The grouped regime's forward and backward at several block sizes (0: one block per expert)."""
     label = [f"{s // 1024}K" if s else "expert" for s in sizes]
@@ -223,6 +249,7 @@ def main() -> None:
         nargs="*",
         help="only time the grouped regime at these block sizes (0: whole experts)",
     )
+    parser.add_argument("--regimes", nargs="*", choices=list(torch_paths.FORWARD), help="only time these regimes")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -230,6 +257,10 @@ def main() -> None:
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
+    if args.regimes:
+        print("\n## CPU regimes, forward and backward (fp32, best of the interleaved repeats, ms)\n")
+        regime_table(args.n, args.regimes, 5 if args.quick else 15)
+        return
     if args.block_elements:
         print("\n## CPU grouped regime by block size (fp32, best of the interleaved repeats, ms)\n")
         block_table(args.n, args.block_elements, 5 if args.quick else 15)
