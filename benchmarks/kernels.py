@@ -5,7 +5,7 @@
     python benchmarks/kernels.py --n 256 4096 --block-elements 65536 262144 1048576 0   # grouped block sizes
     python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
 
-CPU: every PyTorch regime (gather / dense / grouped) and the automatic choice, forward and forward+backward,
+CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
 GPU: the Triton op against a cuBLAS matmul of one expert's size over all N*S pairs (the same FLOPs without
 routing), forward and backward, fp16 and bf16, reported as % of cuBLAS speed.
@@ -116,9 +116,9 @@ def _dense_equivalent(case: Case, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def cpu_table(ns: list[int], repeats: int) -> list[str]:
     os.environ["SWITCHHEAD_KERNEL"] = "torch"
     lines = [
-        "| case | N | matmul fwd ms | gather | dense | grouped | op (regime) | op / matmul "
+        "| case | N | matmul fwd ms | gather | dense | grouped | combo | op (regime) | op / matmul "
         "| matmul fwd+bwd ms | op fwd+bwd | op / matmul fwd+bwd |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print(lines[0] + "\n" + lines[1], flush=True)
     for case in CASES:
@@ -127,7 +127,7 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
             args = (x, w, index, gate, case.n_out)
             wrt = [x, w] + ([gate] if gate is not None else [])
             xd, wd = _dense_equivalent(case, n)
-            regimes = ["dense", "grouped"] + (["gather"] if n * case.slots <= 4096 else [])  # gather: N*S matrices
+            regimes = ["dense", "grouped", "combo"] + (["gather"] if n * case.slots <= 4096 else [])  # gather: N*S
             with torch.no_grad():
                 fwd = {"matmul": _call(_matmul, xd, wd), "op": _call(expert_projection, *args)}
                 fwd.update({r: _call(torch_paths.FORWARD[r], *args) for r in regimes})
@@ -139,7 +139,7 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
             regime = torch_paths.choose_regime(
                 n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out
             )
-            cols = " | ".join(f"{t[r]:.3f}" if r in t else "-" for r in ("gather", "dense", "grouped"))
+            cols = " | ".join(f"{t[r]:.3f}" if r in t else "-" for r in ("gather", "dense", "grouped", "combo"))
             lines.append(
                 f"| {case.name} | {n} | {t['matmul']:.3f} | {cols} | {t['op']:.3f} ({regime}) "
                 f"| {t['op'] / t['matmul']:.2f} | {tb['matmul']:.3f} | {tb['op']:.3f} | {tb['op'] / tb['matmul']:.2f} |"

@@ -52,8 +52,9 @@ SHAPES = [
     Shape(17, 3, 3, 3, 4, 7, 18, gated=False, routing="some_empty"),
     Shape(24, 1, 8, 1, 7, 18, 10),  # I=1, R=1, k=4, G=2
     Shape(33, 2, 8, 4, 2, 11, 13, routing="one_expert"),  # I=G, R=S/2
+    Shape(29, 1, 6, 2, 7, 14, 11, gated=False),  # segments of 3 slots without gates
 ]
-REGIMES = ["gather", "dense", "grouped"]
+REGIMES = ["gather", "dense", "grouped", "combo"]
 
 
 def make(shape: Shape, dtype=torch.float32, seed: int = 0):
@@ -148,20 +149,22 @@ def test_torch_regimes_match_naive_loop(shape, regime):
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), torch.float32)
 
 
-@pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[10]], ids=str)
+@pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[10], SHAPES[11]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_grouped_blocks_of_one_expert_add_up(shape, dtype, monkeypatch):
-    """The grouped regime cuts an expert's pairs into blocks; with tiny blocks every expert spans several."""
+@pytest.mark.parametrize("regime", ["grouped", "combo"])
+def test_blocks_add_up(shape, dtype, regime, monkeypatch):
+    """grouped and combo cut an expert's (or expert set's) rows into blocks; with tiny blocks each spans several."""
     monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 60)  # a few rows
     exact, cast = make(shape, dtype)
-    assert_matches(via_regime(shape, cast, "grouped"), naive_all(shape, exact), dtype)
+    assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), dtype)
 
 
-def test_torch_weight_grad_is_deterministic(monkeypatch):
-    monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 24 * 50)  # 50 rows: ~9 blocks per expert
+@pytest.mark.parametrize("regime", ["grouped", "combo"])
+def test_torch_weight_grad_is_deterministic(regime, monkeypatch):
+    monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 24 * 50)  # 50 rows: several blocks per expert
     shape = Shape(300, 1, 6, 2, 4, 24, 16)
     _, (x, w, index, gate, grad) = make(shape)
-    runs = [torch_paths.backward(grad, x, w, index, gate, True, regime="grouped")[1] for _ in range(2)]
+    runs = [torch_paths.backward(grad, x, w, index, gate, True, regime=regime)[1] for _ in range(2)]
     assert torch.equal(runs[0], runs[1])
 
 

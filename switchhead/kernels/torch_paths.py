@@ -1,6 +1,6 @@
 """Pure-PyTorch expert projection (``SWITCHHEAD_KERNEL=torch``; the default for non-CUDA tensors).
 
-Three regimes, each with its own forward and backward, picked per call by `choose_regime`:
+Four regimes, each with its own forward and backward, picked per call by `choose_regime`:
 
 - ``gather``: one vector-matrix product per (token, slot) pair against the selected expert (the backward
   gathers the selected matrices). It reads only the weights that are used and copies none of them, which
@@ -11,6 +11,10 @@ Three regimes, each with its own forward and backward, picked per call by `choos
 - ``grouped``: sort (token, slot) pairs by expert and run one GEMM per block of an expert's pairs: no wasted
   MACs, but gathers, index_adds and small GEMMs whose cost per expert is roughly fixed; wins for large N.
   Its backward gets the gate gradient from the input-gradient GEMM, so it never recomputes the forward.
+- ``combo``: grouped over segments instead of pairs (a segment is a head's k slots, which share an input and
+  an output row), sorted by the set of experts each chose: a row is gathered once for its k products, which
+  add up in the GEMMs, and index-added once. Fewer gathers and scatters, but one group per expert set
+  (C(5, 3) = 10 per head for 47M), so it pays only when every set has a few hundred segments.
 
 Rows are gathered with ``index_select``, never advanced indexing: for whole rows on the CPU ``x[idx]`` goes
 through the generic indexing kernel and was about 5x slower.
@@ -21,12 +25,13 @@ The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-c
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-Regime = Literal["gather", "dense", "grouped"]
+Regime = Literal["gather", "dense", "grouped", "combo"]
 Grads = tuple[Tensor, Tensor, Tensor]
 
 # Thresholds measured on a 2-core CPU, one torch thread, with
@@ -40,10 +45,17 @@ GATHER_MAX_PAIRS = 8
 # N ~ 140 tokens for 47M (47M O: 1.12 vs 1.27 ms at N = 128, 2.15 vs 1.96 ms at N = 256), N ~ 30 for 262M
 # (262M V: 1.18 vs 1.34 ms at N = 16, 1.80 vs 1.48 ms at N = 32) and N ~ 44 for sigma-MoE (measured: ~30).
 GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
+# combo instead of grouped when each expert set is expected to have at least this many segments: tokens /
+# C(experts per head, k). `python benchmarks/kernels.py --threads 1 --n 512 2048 4096 8192 --regimes grouped
+# combo`, grouped vs combo forward / backward ms: 47M O (10 sets) 22.9 / 47.2 vs 20.3 / 44.8 at N = 4096 (410 per
+# set), 10.8 / 22.8 vs 10.1 / 22.5 at N = 2048, 2.6 / 5.6 vs 3.2 / 7.1 at N = 512; 262M O (6 sets) 48.7 / 98.1 vs
+# 46.7 / 98.1 at N = 2048 (341 per set), 12.2 / 25.3 vs 12.7 / 26.4 at N = 512. V-like shapes gain less and
+# noisier (47M V at N = 4096: 26.6 / 63.0 vs 27.9 / 54.9).
+COMBO_MIN_SEGMENTS_PER_SET = 256
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
 DENSE_BROADCAST_MAX_ROWS = 64
-# The grouped regime works on blocks of one expert's pairs of at most this many elements in their widest
+# grouped and combo work on blocks of segments with the same experts, of at most this many elements in their widest
 # operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Swept by
 # `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
 # the fastest or within 6 % of it in every case, while each other size was 10-20 % behind somewhere.
@@ -55,6 +67,9 @@ def choose_regime(
 ) -> Regime:
     if n * slots <= GATHER_MAX_PAIRS:
         return "gather"
+    seg = _segment(slots, n_in, n_out)
+    if seg > 1 and n >= COMBO_MIN_SEGMENTS_PER_SET * math.comb(max(seg, round(n_experts * seg / slots)), seg):
+        return "combo"
     waste = n_experts * min(n_in, n_out) / slots
     if backward and _dense_expands_inputs(n_in, n_out):
         # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
@@ -214,89 +229,146 @@ def dense_backward(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# grouped: one GEMM per expert over the pairs sorted by expert
+# grouped and combo: one GEMM per block of segments that chose the same experts
+#
+# A segment is a run of consecutive slots of one token that share an input and an output row. grouped treats
+# every slot as its own segment (blocks of one expert's pairs); combo takes the longest such runs (a head's k
+# slots), so a block's rows are gathered once for all k experts, the k products add up in the GEMMs and the
+# result is index-added once.
 
 
 class _Plan(NamedTuple):
-    """The (token, slot) pairs in expert order and what the grouped regime needs of them."""
+    """Segments sorted by their (sorted) experts, and what the two regimes need of them."""
 
-    order: Tensor  # pair ids sorted by expert (stable)
-    src: Tensor  # input row of each sorted pair
-    dst: Tensor  # output row of each sorted pair
-    gates: Tensor | None  # [P, 1] gate of each sorted pair in the accumulation dtype
-    blocks: list[tuple[int, slice]]  # (expert, slice of the sorted pairs), one expert per block
+    slot: Tensor  # [P, seg] flat slot id (n*S + s) of each segment's slots, in expert order within the segment
+    src: Tensor  # input row of each segment
+    dst: Tensor  # output row of each segment
+    gates: Tensor | None  # [P, seg] in the accumulation dtype
+    blocks: list[tuple[list[int], slice]]  # (the segment's experts, slice of the sorted segments)
 
 
-def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: int, acc: torch.dtype) -> _Plan:
-    """Blocks hold at most GROUPED_BLOCK_ELEMENTS / (widest side) pairs so that every temporary stays small: on
+def _segment(slots: int, n_in: int, n_out: int) -> int:
+    return min(slots // n_in, slots // n_out)
+
+
+def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: int, acc, seg: int) -> _Plan:
+    """Blocks hold at most GROUPED_BLOCK_ELEMENTS / (widest side) segments so that every temporary stays small: on
     the CPU a fresh [N*S, D] buffer is zero-filled page by page on first touch, a cost of the order of the GEMMs,
     while block-sized ones are recycled by the allocator and stay in cache between gather and GEMM."""
     slots = index.shape[1]
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    n_experts = weight.shape[0]
+    if seg == 1:  # every slot is a segment of its own: its expert is its group
+        experts, group = index.reshape(-1, 1), index.reshape(-1)
+    else:
+        experts, within = index.reshape(-1, seg).sort(-1)  # [segments, seg]
+        if n_experts**seg < 2**62:  # one integer per set: torch.unique over rows (dim=0) is ~30x slower
+            key = (experts * n_experts ** torch.arange(seg, device=index.device)).sum(-1)
+            _, group = torch.unique(key, return_inverse=True)
+        else:
+            _, group = torch.unique(experts, dim=0, return_inverse=True)
+    order = torch.argsort(group, stable=True)  # stable: the weight gradient adds up in a fixed order
+    if seg == 1:
+        slot = order.unsqueeze(1)
+    else:
+        slot = (order.unsqueeze(1) * seg + within.index_select(0, order)).contiguous()
     rows = max(1, GROUPED_BLOCK_ELEMENTS // max(weight.shape[1:]))
+    sets = experts.index_select(0, order)
     blocks, start = [], 0
-    for e, c in enumerate(torch.bincount(flat, minlength=weight.shape[0]).tolist()):
-        blocks += [(e, slice(b, min(b + rows, start + c))) for b in range(start, start + c, rows)]
+    for c in torch.bincount(group).tolist():
+        if c:
+            es = sets[start].tolist()
+            blocks += [(es, slice(b, min(b + rows, start + c))) for b in range(start, start + c, rows)]
         start += c
-    gates = None if gate is None else gate.reshape(-1).index_select(0, order).to(acc).unsqueeze(-1)
-    return _Plan(order, order // (slots // n_in), order // (slots // n_out), gates, blocks)
+    first = order * seg
+    gates = None if gate is None else gate.reshape(-1).index_select(0, slot.reshape(-1)).view(slot.shape).to(acc)
+    return _Plan(slot, first // (slots // n_in), first // (slots // n_out), gates, blocks)
 
 
-def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, seg: int) -> Tensor:
     n = index.shape[0]
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
     x2 = x.reshape(-1, d_in)
-    _, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], n_out, acc)
+    _, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], n_out, acc, seg)
     # Gate whichever side of the product is narrower (for fp32; half inputs are gated after the cast to fp32).
     gate_rows = gate is not None and x.dtype == acc and d_in < d_out
     out = torch.zeros(n * n_out, d_out, dtype=acc, device=x.device)
-    for e, b in blocks:
-        rows = x2.index_select(0, src[b])
-        if gate_rows:
-            rows.mul_(gates[b])
-        y = (rows @ weight[e]).to(acc)
-        if gates is not None and not gate_rows:
-            y.mul_(gates[b])
+    for experts, b in blocks:
+        rows = x2.index_select(0, src[b])  # once for the segment's experts
+        y = None
+        for j, e in enumerate(experts):
+            if gate_rows:  # the products add up inside the GEMMs
+                last = j == len(experts) - 1
+                gated = rows.mul_(gates[b, j : j + 1]) if last else rows * gates[b, j : j + 1]
+                y = gated @ weight[e] if y is None else y.addmm_(gated, weight[e])
+                continue
+            t = (rows @ weight[e]).to(acc)
+            if gates is not None:
+                t.mul_(gates[b, j : j + 1])
+            y = t if y is None else y.add_(t)
         out.index_add_(0, dst[b], y)
     return out.view(n, n_out, d_out).to(x.dtype)
 
 
-def grouped_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+def _segments_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool, seg: int
 ) -> Grads:
     n, slots = index.shape
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
     x2, g2 = x.reshape(-1, d_in), grad.reshape(-1, d_out).to(x.dtype)
-    order, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc)
+    slot, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc, seg)
     grad_x = torch.zeros(n * x.shape[1], d_in, dtype=acc, device=x.device)
     grad_w = torch.zeros_like(weight, dtype=acc)  # blocks of one expert add up here
     need_gate_grad = need_gate_grad and gates is not None
-    gate_grad_sorted = torch.empty(n * slots, dtype=acc, device=x.device) if need_gate_grad else None
-    for e, b in blocks:
+    gate_grad_sorted = torch.empty(slot.shape, dtype=acc, device=x.device) if need_gate_grad else None
+    for experts, b in blocks:
         xs, gs = x2.index_select(0, src[b]), g2.index_select(0, dst[b])
-        # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u> (= <x @ W, g>),
-        # so the forward product is never recomputed: three GEMMs per expert, as for a plain linear layer.
-        u = (gs @ weight[e].t()).to(acc)
-        if gates is not None:
-            if need_gate_grad:
-                gate_grad_sorted[b] = (u * xs.to(acc)).sum(-1)
-            u.mul_(gates[b])
-            gs = (gs.to(acc) * gates[b]).to(x.dtype)
-        grad_x.index_add_(0, src[b], u)
-        grad_w[e] += (xs.t() @ gs).to(acc)
+        gx = None
+        for j, e in enumerate(experts):
+            # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u>
+            # (= <x @ W, g>), so the forward is never recomputed: three GEMMs per expert, as for a linear layer.
+            u = (gs @ weight[e].t()).to(acc)
+            gs_j = gs
+            if gates is not None:
+                if need_gate_grad:
+                    gate_grad_sorted[b, j] = (u * xs.to(acc)).sum(-1)
+                u.mul_(gates[b, j : j + 1])
+                gs_j = (gs.to(acc) * gates[b, j : j + 1]).to(x.dtype)
+            gx = u if gx is None else gx.add_(u)
+            grad_w[e] += (xs.t() @ gs_j).to(acc)
+        grad_x.index_add_(0, src[b], gx)
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if need_gate_grad:
         grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
-        grad_gate.index_copy_(0, order, gate_grad_sorted.to(gate.dtype))
+        grad_gate.index_copy_(0, slot.reshape(-1), gate_grad_sorted.reshape(-1).to(gate.dtype))
         grad_gate = grad_gate.view(n, slots)
     return grad_x.view_as(x).to(x.dtype), grad_w.to(weight.dtype), grad_gate
 
 
-FORWARD = {"gather": gather_forward, "dense": dense_forward, "grouped": grouped_forward}
-BACKWARD = {"gather": gather_backward, "dense": dense_backward, "grouped": grouped_backward}
+def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    return _segments_forward(x, weight, index, gate, n_out, 1)
+
+
+def grouped_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+) -> Grads:
+    return _segments_backward(grad, x, weight, index, gate, need_gate_grad, 1)
+
+
+def combo_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    return _segments_forward(x, weight, index, gate, n_out, _segment(index.shape[1], x.shape[1], n_out))
+
+
+def combo_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+) -> Grads:
+    seg = _segment(index.shape[1], x.shape[1], grad.shape[1])
+    return _segments_backward(grad, x, weight, index, gate, need_gate_grad, seg)
+
+
+FORWARD = {"gather": gather_forward, "dense": dense_forward, "grouped": grouped_forward, "combo": combo_forward}
+BACKWARD = {"gather": gather_backward, "dense": dense_backward, "grouped": grouped_backward, "combo": combo_backward}
 
 
 def forward(
