@@ -58,7 +58,7 @@ DENSE_BROADCAST_MAX_ROWS = 64
 # grouped and combo work on blocks of segments with the same experts, of at most this many elements in their widest
 # operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Swept by
 # `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
-# the fastest or within 6 % of it in every case, while each other size was 10-20 % behind somewhere.
+# the fastest or within 3 % of it in every case, while each other size was ~20 % behind somewhere.
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
 
 
