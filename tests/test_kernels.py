@@ -53,6 +53,7 @@ SHAPES = [
     Shape(24, 1, 8, 1, 7, 18, 10),  # I=1, R=1, k=4, G=2
     Shape(33, 2, 8, 4, 2, 11, 13, routing="one_expert"),  # I=G, R=S/2
     Shape(29, 1, 6, 2, 7, 14, 11, gated=False),  # segments of 3 slots without gates
+    Shape(23, 2, 6, 3, 5, 9, 7),  # rows shared by 3 slots on the input side, 2 on the output side
 ]
 REGIMES = ["gather", "dense", "grouped", "combo"]
 

@@ -248,7 +248,8 @@ class _Plan(NamedTuple):
 
 
 def _segment(slots: int, n_in: int, n_out: int) -> int:
-    return min(slots // n_in, slots // n_out)
+    """Length of the runs of consecutive slots that share both their input and their output row."""
+    return math.gcd(slots // n_in, slots // n_out)
 
 
 def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: int, acc, seg: int) -> _Plan:
