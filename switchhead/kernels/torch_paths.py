@@ -332,14 +332,21 @@ def _segments_backward(
             # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u>
             # (= <x @ W, g>), so the forward is never recomputed: three GEMMs per expert, as for a linear layer.
             u = (gs @ weight[e].t()).to(acc)
-            gs_j = gs
+            xs_j, gs_j = xs, gs
             if gates is not None:
+                g = gates[b, j : j + 1]
                 if need_gate_grad:
                     gate_grad_sorted[b, j] = (u * xs.to(acc)).sum(-1)
-                u.mul_(gates[b, j : j + 1])
-                gs_j = (gs.to(acc) * gates[b, j : j + 1]).to(x.dtype)
+                u.mul_(g)
+                if d_in < d_out:  # gate the narrower side of the weight-gradient product
+                    xs_j = (xs.to(acc) * g).to(x.dtype)
+                else:
+                    gs_j = (gs.to(acc) * g).to(x.dtype)
             gx = u if gx is None else gx.add_(u)
-            grad_w[e] += (xs.t() @ gs_j).to(acc)
+            if x.dtype == acc:
+                grad_w[e].addmm_(xs_j.t(), gs_j)
+            else:
+                grad_w[e] += (xs_j.t() @ gs_j).to(acc)
         grad_x.index_add_(0, src[b], gx)
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if need_gate_grad:
