@@ -112,9 +112,7 @@ def gather_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None
     n, slots = index.shape
     in_per = slots // x.shape[1]
     experts = index.tolist()  # a handful of pairs: one vector-matrix product each, no weight copies
-    # unbind: one call for all views; indexing x[t, r] and weight[e] per pair cost more than the products here
-    rows, matrices = x.reshape(-1, x.shape[-1]).unbind(0), weight.unbind(0)
-    y = torch.stack([rows[(t * slots + s) // in_per] @ matrices[experts[t][s]] for t in range(n) for s in range(slots)])
+    y = torch.stack([x[t, s // in_per] @ weight[experts[t][s]] for t in range(n) for s in range(slots)])
     return _reduce_slots(_gated(y.view(n, slots, -1).to(_acc_dtype(x)), gate), n_out).to(x.dtype)
 
 
