@@ -17,7 +17,7 @@ Four regimes, each with its own forward and backward, picked per call by `choose
   (C(5, 3) = 10 per head for 47M), so it pays only when every set has a few hundred segments.
 
 Rows are gathered with ``index_select``, never advanced indexing: for whole rows on the CPU ``x[idx]`` goes
-through the generic indexing kernel and was about 5x slower.
+through the generic indexing kernel, which is much slower.
 
 The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-core CPU
 (docs/BENCHMARKS.md); re-measure before changing them.
@@ -259,19 +259,16 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
     slots = index.shape[1]
     n_experts = weight.shape[0]
     if seg == 1:  # every slot is a segment of its own: its expert is its group
-        experts, group = index.reshape(-1, 1), index.reshape(-1)
+        experts, within, group = index.reshape(-1, 1), None, index.reshape(-1)
     else:
         experts, within = index.reshape(-1, seg).sort(-1)  # [segments, seg]
-        if n_experts**seg < 2**62:  # one integer per set: torch.unique over rows (dim=0) is ~30x slower
+        if n_experts**seg < 2**62:  # one integer per set: torch.unique over rows (dim=0) is much slower
             key = (experts * n_experts ** torch.arange(seg, device=index.device)).sum(-1)
             _, group = torch.unique(key, return_inverse=True)
         else:
             _, group = torch.unique(experts, dim=0, return_inverse=True)
     order = torch.argsort(group, stable=True)  # stable: the weight gradient adds up in a fixed order
-    if seg == 1:
-        slot = order.unsqueeze(1)
-    else:
-        slot = (order.unsqueeze(1) * seg + within.index_select(0, order)).contiguous()
+    slot = order.unsqueeze(1) if within is None else order.unsqueeze(1) * seg + within.index_select(0, order)
     rows = max(1, GROUPED_BLOCK_ELEMENTS // max(weight.shape[1:]))
     sets = experts.index_select(0, order)
     blocks, start = [], 0
