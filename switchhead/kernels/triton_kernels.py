@@ -119,20 +119,12 @@ _WEIGHT_GRAD_CONFIGS = _configs(("BLOCK_P", "BLOCK_K", "BLOCK_N"), _WEIGHT_GRAD_
 
 def _pruner(by_unit: dict[str, list[triton.Config]]):
     """early_config_prune: only the tiles made for the precision of this launch."""
-
-    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        precision = kwargs.get("PRECISION", named_args.get("PRECISION"))
-        mine = by_unit[_unit(precision)]
-        return [c for c in configs if any(c is m for m in mine)]
-
-    return prune
+    return lambda configs, named_args, **kwargs: by_unit[_unit(kwargs.get("PRECISION", named_args.get("PRECISION")))]
 
 
 def _all(by_unit: dict[str, list[triton.Config]]) -> list[triton.Config]:
-    seen: list[triton.Config] = []
-    for configs in by_unit.values():
-        seen += [c for c in configs if not any(c is s for s in seen)]
-    return seen
+    """Every config once (the interpreter's single config is shared by both units)."""
+    return list({id(c): c for configs in by_unit.values() for c in configs}.values())
 
 
 def _min_block_n() -> int:
