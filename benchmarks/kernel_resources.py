@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 from collections import defaultdict
-from contextlib import contextmanager
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -43,27 +42,16 @@ STEP = {  # what each launch of a kernel computes, in launch order
 }
 
 
-@contextmanager
-def _tf32(allow: bool):
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _launches(case, dtype, allow_tf32: bool) -> list[tuple[str, gpu_build.Launch]]:
     out = []
-    with _tf32(allow_tf32):
-        for n in (4096, 1):
-            x, w, index, gate = make_inputs(case, n, dtype, "cpu")
-            seen = defaultdict(int)
-            for launch in gpu_build.launches(x, w, index, gate, case.n_out):
-                step = STEP[launch.kernel][seen[launch.kernel]]
-                seen[launch.kernel] += 1
-                if (step == "decode") == (n == 1):
-                    out.append((step, launch))
+    for n in (4096, 1):
+        x, w, index, gate = make_inputs(case, n, dtype, "cpu")
+        seen = defaultdict(int)
+        for launch in gpu_build.launches(x, w, index, gate, case.n_out, allow_tf32):
+            step = STEP[launch.kernel][seen[launch.kernel]]
+            seen[launch.kernel] += 1
+            if (step == "decode") == (n == 1):
+                out.append((step, launch))
     return out
 
 
