@@ -4,6 +4,7 @@
     python benchmarks/kernels.py --quick    # fewer repeats
     python benchmarks/kernels.py --n 256 4096 --block-elements 65536 262144 1048576 0   # grouped block sizes
     python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
+    python benchmarks/kernels.py --n 256 4096 --regimes grouped --against REV   # beside the code at git REV
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -14,11 +15,16 @@ routing), forward and backward, fp16 and bf16, reported as % of cuBLAS speed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -127,7 +133,8 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
             args = (x, w, index, gate, case.n_out)
             wrt = [x, w] + ([gate] if gate is not None else [])
             xd, wd = _dense_equivalent(case, n)
-            regimes = ["dense", "grouped", "combo"] + (["gather"] if n * case.slots <= 4096 else [])  # gather: N*S
+            # gather is skipped where it would multiply thousands of (token, slot) pairs one by one
+            regimes = ["dense", "grouped", "combo"] + (["gather"] if n * case.slots <= 4096 else [])
             with torch.no_grad():
                 fwd = {"matmul": _call(_matmul, xd, wd), "op": _call(expert_projection, *args)}
                 fwd.update({r: _call(torch_paths.FORWARD[r], *args) for r in regimes})
@@ -148,11 +155,12 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
     return lines
 
 
-def regime_table(ns: list[int], regimes: list[str], repeats: int) -> list[str]:
-    """Forward and backward (all gradients) of each named PyTorch regime, called directly."""
+def _fwd_bwd_table(ns: list[int], variants: dict[str, tuple[Callable, Callable]], repeats: int) -> list[str]:
+    """Forward and backward (all gradients) of each variant, called directly with a regime's signature,
+    interleaved; one row per shape and N."""
     lines = [
-        "| case | N | " + " | ".join(f"{r} fwd | {r} bwd" for r in regimes) + " |",
-        "|---|---|" + "---|---|" * len(regimes),
+        "| case | N | " + " | ".join(f"{v} fwd | {v} bwd" for v in variants) + " |",
+        "|---|---|" + "---|---|" * len(variants),
     ]
     print(lines[0] + "\n" + lines[1], flush=True)
     for case in CASES:
@@ -160,50 +168,66 @@ def regime_table(ns: list[int], regimes: list[str], repeats: int) -> list[str]:
             x, w, index, gate = make_inputs(case, n, torch.float32, "cpu")
             grad = torch.randn(n, case.n_out, case.d_out)
             fns = {}
-            for r in regimes:
-                fns[f"{r} fwd"] = _call(torch_paths.FORWARD[r], x, w, index, gate, case.n_out)
-                fns[f"{r} bwd"] = _call(torch_paths.BACKWARD[r], grad, x, w, index, gate, True)
+            for v, (fwd, bwd) in variants.items():
+                fns[f"{v} fwd"] = _call(fwd, x, w, index, gate, case.n_out)
+                fns[f"{v} bwd"] = _call(bwd, grad, x, w, index, gate, True)
             t = interleaved_min_ms(fns, repeats)
-            lines.append(
-                f"| {case.name} | {n} | "
-                + " | ".join(f"{t[f'{r} fwd']:.3f} | {t[f'{r} bwd']:.3f}" for r in regimes)
-                + " |"
-            )
-            print(lines[-1], flush=True)
-    return lines
-
-
-def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
-    """The grouped regime's forward and backward at several block sizes (0: one block per expert)."""
-    label = [f"{s // 1024}K" if s else "expert" for s in sizes]
-    lines = [
-        "| case | N | " + " | ".join(f"{c} fwd | {c} bwd" for c in label) + " |",
-        "|---|---|" + "---|---|" * len(sizes),
-    ]
-    print(lines[0] + "\n" + lines[1], flush=True)
-    default = torch_paths.GROUPED_BLOCK_ELEMENTS
-    for case in CASES:
-        for n in ns:
-            x, w, index, gate = make_inputs(case, n, torch.float32, "cpu")
-            grad = torch.randn(n, case.n_out, case.d_out)
-
-            def sized(fn: Callable, size: int, *args) -> Callable[[], object]:
-                def run() -> object:
-                    torch_paths.GROUPED_BLOCK_ELEMENTS = size or 1 << 62
-                    return fn(*args)
-
-                return run
-
-            fns = {}
-            for size in sizes:
-                fns[f"{size} fwd"] = sized(torch_paths.grouped_forward, size, x, w, index, gate, case.n_out)
-                fns[f"{size} bwd"] = sized(torch_paths.grouped_backward, size, grad, x, w, index, gate, True)
-            t = interleaved_min_ms(fns, repeats)
-            torch_paths.GROUPED_BLOCK_ELEMENTS = default
-            cells = " | ".join(f"{t[f'{s} fwd']:.3f} | {t[f'{s} bwd']:.3f}" for s in sizes)
+            cells = " | ".join(f"{t[f'{v} fwd']:.3f} | {t[f'{v} bwd']:.3f}" for v in variants)
             lines.append(f"| {case.name} | {n} | {cells} |")
             print(lines[-1], flush=True)
     return lines
+
+
+def _paths_at(rev: str) -> ModuleType:
+    """switchhead/kernels/torch_paths.py as of git revision `rev`, to time beside the current one."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(
+        ["git", "show", f"{rev}:switchhead/kernels/torch_paths.py"], cwd=root, capture_output=True, text=True
+    )
+    if source.returncode:
+        sys.exit(f"--against {rev}: {source.stderr.strip()}")
+    path = os.path.join(tempfile.mkdtemp(), "torch_paths_at_rev.py")
+    with open(path, "w") as f:
+        f.write(source.stdout)
+    spec = importlib.util.spec_from_file_location(f"torch_paths@{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def regime_table(ns: list[int], regimes: list[str], repeats: int, against: str | None = None) -> list[str]:
+    """Each named regime, and with `against` the same regime as of that git revision beside it."""
+    sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
+    variants = {}
+    for r in regimes:
+        for suffix, paths in sources:
+            if r not in paths.FORWARD:
+                sys.exit(f"regime {r!r} does not exist at {against}")
+            variants[r + suffix] = (paths.FORWARD[r], paths.BACKWARD[r])
+    return _fwd_bwd_table(ns, variants, repeats)
+
+
+def _with_block_elements(fn: Callable, size: int) -> Callable:
+    def run(*args):
+        default, torch_paths.GROUPED_BLOCK_ELEMENTS = torch_paths.GROUPED_BLOCK_ELEMENTS, size or 1 << 62
+        try:
+            return fn(*args)
+        finally:
+            torch_paths.GROUPED_BLOCK_ELEMENTS = default
+
+    return run
+
+
+def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
+    """The grouped regime at several block sizes (0: one block per expert)."""
+    variants = {
+        f"{s // 1024}K" if s else "expert": (
+            _with_block_elements(torch_paths.grouped_forward, s),
+            _with_block_elements(torch_paths.grouped_backward, s),
+        )
+        for s in sizes
+    }
+    return _fwd_bwd_table(ns, variants, repeats)
 
 
 def gpu_table(ns: list[int]) -> list[str]:
@@ -250,6 +274,7 @@ def main() -> None:
         help="only time the grouped regime at these block sizes (0: whole experts)",
     )
     parser.add_argument("--regimes", nargs="*", choices=list(torch_paths.FORWARD), help="only time these regimes")
+    parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -259,7 +284,7 @@ def main() -> None:
     )
     if args.regimes:
         print("\n## CPU regimes, forward and backward (fp32, best of the interleaved repeats, ms)\n")
-        regime_table(args.n, args.regimes, 5 if args.quick else 15)
+        regime_table(args.n, args.regimes, 5 if args.quick else 15, args.against)
         return
     if args.block_elements:
         print("\n## CPU grouped regime by block size (fp32, best of the interleaved repeats, ms)\n")
