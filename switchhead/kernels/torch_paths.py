@@ -47,10 +47,10 @@ GATHER_MAX_PAIRS = 8
 GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
 # combo instead of grouped when each expert set is expected to have at least this many segments: tokens /
 # C(experts per head, k). `python benchmarks/kernels.py --threads 1 --n 512 2048 4096 8192 --regimes grouped
-# combo`, grouped vs combo forward / backward ms: 47M O (10 sets) 22.9 / 47.2 vs 20.3 / 44.8 at N = 4096 (410 per
-# set), 10.8 / 22.8 vs 10.1 / 22.5 at N = 2048, 2.6 / 5.6 vs 3.2 / 7.1 at N = 512; 262M O (6 sets) 48.7 / 98.1 vs
-# 46.7 / 98.1 at N = 2048 (341 per set), 12.2 / 25.3 vs 12.7 / 26.4 at N = 512. V-like shapes gain less and
-# noisier (47M V at N = 4096: 26.6 / 63.0 vs 27.9 / 54.9).
+# combo`, grouped vs combo forward / backward ms: 47M O (10 sets) 22.6 / 45.3 vs 20.1 / 42.5 at N = 4096 (410 per
+# set), 11.1 / 22.6 vs 10.5 / 22.0 at N = 2048, 2.8 / 5.9 vs 3.4 / 7.0 at N = 512; 262M O (6 sets) 47.7 / 94.9 vs
+# 46.4 / 94.1 at N = 2048 (341 per set), 12.5 / 25.4 vs 12.5 / 24.9 at N = 512. V-like shapes gain about as much
+# for 47M (25.6 / 49.6 vs 22.9 / 45.6 at N = 4096) and less for 262M.
 COMBO_MIN_SEGMENTS_PER_SET = 256
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
