@@ -230,36 +230,53 @@ def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
     return _fwd_bwd_table(ns, variants, repeats)
 
 
-def gpu_table(ns: list[int]) -> list[str]:
-    from triton.testing import do_bench
+def gpu_table(
+    ns: list[int], device: str = "cuda", cases: list[Case] = CASES, bench: Callable[[Callable], float] | None = None
+) -> list[str]:
+    """Triton op vs one expert's matmul, forward and backward, fp16 and bf16. `bench` times a function in ms
+    (default: triton.testing.do_bench); `device` and `cases` let the table run on the CPU with TRITON_INTERPRET=1
+    and tiny cases, which checks this code where no GPU is available (the timings are then meaningless)."""
+    if bench is None:
+        from triton.testing import do_bench as bench
 
     lines = [
         "| case | dtype | N | op fwd ms | cuBLAS fwd ms | fwd % of cuBLAS | op bwd ms | cuBLAS bwd ms | bwd % |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     print(lines[0] + "\n" + lines[1], flush=True)
+    saved = os.environ.get("SWITCHHEAD_KERNEL")
     os.environ["SWITCHHEAD_KERNEL"] = "triton"
-    for dtype in (torch.float16, torch.bfloat16):
-        for case in CASES:
-            for n in ns:
-                x, w, index, gate = make_inputs(case, n, dtype, "cuda", grad=True)
-                grads = [x, w] + ([gate] if gate is not None else [])
-                # One expert's matrix applied to all N*S pairs: the op's FLOPs without routing.
-                xd = torch.randn(n * case.slots, case.d_in, device="cuda", dtype=dtype, requires_grad=True)
-                wd = torch.randn(case.d_in, case.d_out, device="cuda", dtype=dtype, requires_grad=True)
-                out = expert_projection(x, w, index, gate, case.n_out)
-                dense = xd @ wd
-                go, gd = torch.randn_like(out), torch.randn_like(dense)
-                t_op = do_bench(_call(expert_projection, x, w, index, gate, case.n_out))
-                t_mm = do_bench(_call(_matmul, xd, wd))
-                t_op_b = do_bench(_call(torch.autograd.grad, out, grads, go, True))
-                t_mm_b = do_bench(_call(torch.autograd.grad, dense, [xd, wd], gd, True))
-                lines.append(
-                    f"| {case.name} | {str(dtype)[6:]} | {n} | {t_op:.4f} | {t_mm:.4f} | {100 * t_mm / t_op:.0f}% "
-                    f"| {t_op_b:.4f} | {t_mm_b:.4f} | {100 * t_mm_b / t_op_b:.0f}% |"
-                )
-                print(lines[-1], flush=True)
+    try:
+        for dtype in (torch.float16, torch.bfloat16):
+            for case in cases:
+                for n in ns:
+                    lines.append(_gpu_row(case, n, dtype, device, bench))
+                    print(lines[-1], flush=True)
+    finally:
+        if saved is None:
+            del os.environ["SWITCHHEAD_KERNEL"]
+        else:
+            os.environ["SWITCHHEAD_KERNEL"] = saved
     return lines
+
+
+def _gpu_row(case: Case, n: int, dtype: torch.dtype, device: str, bench: Callable[[Callable], float]) -> str:
+    x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
+    grads = [x, w] + ([gate] if gate is not None else [])
+    # One expert's matrix applied to all N*S pairs: the op's FLOPs without routing.
+    xd = torch.randn(n * case.slots, case.d_in, device=device, dtype=dtype, requires_grad=True)
+    wd = torch.randn(case.d_in, case.d_out, device=device, dtype=dtype, requires_grad=True)
+    out = expert_projection(x, w, index, gate, case.n_out)
+    dense = xd @ wd
+    go, gd = torch.randn_like(out), torch.randn_like(dense)
+    t_op = bench(_call(expert_projection, x, w, index, gate, case.n_out))
+    t_mm = bench(_call(_matmul, xd, wd))
+    t_op_b = bench(_call(torch.autograd.grad, out, grads, go, True))
+    t_mm_b = bench(_call(torch.autograd.grad, dense, [xd, wd], gd, True))
+    return (
+        f"| {case.name} | {str(dtype)[6:]} | {n} | {t_op:.4f} | {t_mm:.4f} | {100 * t_mm / t_op:.0f}% "
+        f"| {t_op_b:.4f} | {t_mm_b:.4f} | {100 * t_mm_b / t_op_b:.0f}% |"
+    )
 
 
 def main() -> None:

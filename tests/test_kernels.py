@@ -328,3 +328,39 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
             assert build.stack_bytes == 0, (launch.kernel, config, build)
             if launch.kernel != "_gather_kernel":  # the decode kernel reads unpadded rows
                 assert build.async_copies and (build.tensor_cores or dtype == torch.float32), (launch.kernel, build)
+
+
+def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
+    """benchmarks/kernels.py's GPU table has only run where no GPU was: run its code on the CPU (Triton
+    interpreter, tiny cases, one timed call per cell) so that it is known to work before it meets one."""
+    import importlib.util
+    import os
+    import time
+    from pathlib import Path
+
+    backend("triton")
+    path = Path(__file__).parents[1] / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("benchmark_kernels", path)
+    bench_module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench_module  # dataclasses look their module up while it executes
+    try:
+        spec.loader.exec_module(bench_module)
+    finally:
+        del sys.modules[spec.name]
+
+    def once(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    Case = bench_module.Case
+    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    lines = bench_module.gpu_table([1, 9], device="cpu", cases=cases, bench=once)  # N = 9: tiled kernels
+    assert os.environ["SWITCHHEAD_KERNEL"] == "triton"  # what the fixture set, restored
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), r[1].strip(), int(r[2])) for r in rows] == [
+        (c.name, d, n) for d in ("float16", "bfloat16") for c in cases for n in (1, 9)
+    ]
+    for r in rows:
+        assert all(float(v) > 0 for v in (r[3], r[4], r[6], r[7])), r
+        assert r[5].strip().endswith("%") and r[8].strip().endswith("%"), r
