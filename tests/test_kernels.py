@@ -204,11 +204,34 @@ def test_triton_half(shape, dtype, backend):
     assert_matches(got, naive_all(shape, exact), dtype)
 
 
-def test_triton_weight_grad_is_deterministic(backend):
+def _split_weight_grad(monkeypatch, shape: Shape) -> None:
+    """Let the weight gradient cut each expert's pairs into chunks even for a tiny shape."""
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    monkeypatch.setattr(tk, "WEIGHT_GRAD_MIN_PAIRS", 2)
+    bucket = tk._bucket(shape.n * shape.slots)
+    assert tk._weight_grad_splits(shape.experts, shape.d_in, shape.d_out, bucket, torch.device(DEVICE)) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[6], SHAPES[10], Shape(45, 3, 6, 1, 3, 16, 24)], ids=str)
+def test_triton_weight_grad_in_chunks(shape, dtype, backend, monkeypatch):
+    """The chunks' partial sums (some chunks empty, some experts without pairs) add up to the whole gradient."""
     backend("triton")
-    # Many pairs per expert (several BLOCK_P chunks each). Two slots per input row: grad_x adds them with
+    _split_weight_grad(monkeypatch, shape)
+    exact, cast = make(shape, dtype)
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
+
+
+@pytest.mark.parametrize("chunks", [False, True], ids=["whole", "chunks"])
+def test_triton_weight_grad_is_deterministic(chunks, backend, monkeypatch):
+    backend("triton")
+    # Many pairs per expert (several BLOCK_P steps each). Two slots per input row: grad_x adds them with
     # atomics, which is order-independent (so bitwise reproducible on a GPU too) only for up to two addends.
     shape = Shape(45, 3, 6, 1, 3, 16, 24)
+    if chunks:
+        _split_weight_grad(monkeypatch, shape)
     _, cast = make(shape)
     first = via_op(shape, cast)
     second = via_op(shape, cast)
@@ -328,12 +351,17 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
     from switchhead.kernels import gpu_build, triton_kernels
 
     assert not triton_kernels.load()._INTERPRETED
+    # Few pairs per chunk: the O projection's weight gradient is split (SPLITS > 1), the decode step's is not
+    # (SPLITS = 1, which Triton folds into the build): both builds are checked.
+    monkeypatch.setattr(triton_kernels.load(), "WEIGHT_GRAD_MIN_PAIRS", 2)
     _, many = make(Shape(40, 2, 6, 1, 10, 76, 20), dtype)  # an O projection over 40 tokens
     _, decode = make(Shape(2, 1, 6, 2, 10, 20, 76), dtype)  # a V projection at decode (the gather kernel)
     launches = gpu_build.launches(*many[:4], 1) + gpu_build.launches(*decode[:4], 2)
     expected = ["_grouped_matmul_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel"]  # fwd, grad_x, grad_w
     expected += ["_gather_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel"]
     assert [launch.kernel for launch in launches] == expected
+    splits = triton_kernels.load()._weight_grad_kernel.fn.arg_names.index("SPLITS")
+    assert launches[2].args[splits] > 1 and launches[5].args[splits] == 1
     for launch in launches:
         configs = gpu_build.configs(launch)
         for config in configs if every_config else configs[:1]:

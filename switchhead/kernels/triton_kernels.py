@@ -12,7 +12,9 @@ Three kernels, each followed by its launcher:
    and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the un-gated
    grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
 2. `_weight_grad_kernel`: one program per (expert, D_in tile, D_out tile) walks that expert's pairs in a
-   fixed order: deterministic, no atomics (the authors' CVMM uses atomics here).
+   fixed order: deterministic, no atomics (the authors' CVMM uses atomics here). When that is too few programs
+   for the GPU, each expert's pairs are cut into chunks with one program each, whose partial sums are added
+   in a fixed order afterwards.
 3. `_gather_kernel` for a handful of tokens (batch-1 decode), where tiles of 64 sorted pairs would be almost
    empty: one program per output row and column block loads the selected expert columns directly.
 
@@ -56,6 +58,17 @@ _BUILD = {"enable_fp_fusion": True}
 # Up to this many tokens the gather kernel runs the forward (no sorting, no tiles). A guess from the tile
 # geometry (a 64-row tile of sorted pairs is < 10% full below it); not measured on a GPU yet.
 GATHER_MAX_TOKENS = 8
+
+# The weight gradient has one program per (expert, D_in tile, D_out tile). When that is few programs for the GPU
+# (47M: 10 experts x 7 x 2 tiles of 64 = 140 programs for 132 SMs on an H100), each expert's pairs are split into
+# up to this many chunks, summed in a fixed order afterwards, so that every SM gets at least two programs. Chunks
+# average at least WEIGHT_GRAD_MIN_PAIRS of the pair count rounded up to a power of two (the autotune bucket, so
+# at least half that many real pairs): their partial tiles, written in fp32, stay a small extra cost. Geometry,
+# not a measurement: no GPU has timed it.
+WEIGHT_GRAD_MAX_SPLITS = 8
+WEIGHT_GRAD_MIN_PAIRS = 512
+# SM count assumed where there is no CUDA device to ask (the interpreter and `gpu_build`): an H100's.
+NOMINAL_SMS = 132
 
 
 def load() -> ModuleType:
@@ -301,27 +314,32 @@ def _grouped_matmul(
 
 @triton.autotune(
     configs=_all(_WEIGHT_GRAD_CONFIGS),
-    key=["D_IN", "D_OUT", "M_BUCKET", "n_experts", "PRECISION"],
+    key=["D_IN", "D_OUT", "M_BUCKET", "n_experts", "SPLITS", "PRECISION"],
     prune_configs_by={"early_config_prune": _pruner(_WEIGHT_GRAD_CONFIGS)},
 )
 @triton.jit
 def _weight_grad_kernel(
     x_ptr, g_ptr, gate_ptr, order_ptr, offsets_ptr, dw_ptr,
-    n_experts, D_IN, D_OUT, M_BUCKET, X_PER, G_PER,
+    n_experts, D_IN, D_OUT, M_BUCKET, SPLITS, X_PER, G_PER,
     stride_x, stride_g, stride_we, stride_wk, stride_wn,
     HAS_GATE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    expert = tl.program_id(2)
+    expert = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
+    # This program's chunk of the expert's pairs (whole BLOCK_P steps; chunks past the end come out empty).
+    chunk = ((end - start + SPLITS - 1) // SPLITS + BLOCK_P - 1) // BLOCK_P * BLOCK_P
+    start = start + split * chunk
+    end = tl.minimum(end, start + chunk)
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_k = offs_k < D_IN
     mask_n = offs_n < D_OUT
 
-    # One program owns the whole [BLOCK_K, BLOCK_N] block of dW[expert] and visits the expert's pairs in
-    # sorted order, so the float summation order is fixed: bit-identical results run to run.
+    # One program owns the whole [BLOCK_K, BLOCK_N] block of dW[expert] (of its chunk's partial sum when split)
+    # and visits its pairs in sorted order, so the float summation order is fixed: bit-identical run to run.
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     for i in range(0, (end - start + BLOCK_P - 1) // BLOCK_P):
         offs_p = start + i * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -345,7 +363,8 @@ def _weight_grad_kernel(
             g = g.to(tl.float32)
         acc = tl.dot(xt, g, acc, input_precision=PRECISION)
 
-    dw_ptrs = dw_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    slab = (split * n_experts + expert).to(tl.int64)  # partials are [SPLITS, E, D_in, D_out]
+    dw_ptrs = dw_ptr + slab * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
 
 
@@ -353,18 +372,38 @@ def _weight_grad(
     x2: Tensor, x_per: int, g2: Tensor, g_per: int, gate: Tensor | None, order: Tensor, offsets: Tensor, n_experts: int
 ) -> Tensor:
     d_in, d_out = x2.shape[1], g2.shape[1]
-    dw = torch.empty(n_experts, d_in, d_out, dtype=x2.dtype, device=x2.device)
+    bucket = _bucket(order.numel())
+    splits = _weight_grad_splits(n_experts, d_in, d_out, bucket, x2.device)
+    partial_dtype = x2.dtype if splits == 1 else torch.float32
+    dw = torch.empty(splits * n_experts, d_in, d_out, dtype=partial_dtype, device=x2.device)
 
     def grid(meta: dict) -> tuple[int, int, int]:
-        return triton.cdiv(d_in, meta["BLOCK_K"]), triton.cdiv(d_out, meta["BLOCK_N"]), n_experts
+        return triton.cdiv(d_in, meta["BLOCK_K"]), triton.cdiv(d_out, meta["BLOCK_N"]), n_experts * splits
 
     _weight_grad_kernel[grid](
         x2, g2, gate if gate is not None else x2, order, offsets, dw,
-        n_experts, d_in, d_out, _bucket(order.numel()), x_per, g_per,
+        n_experts, d_in, d_out, bucket, splits, x_per, g_per,
         x2.stride(0), g2.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
         HAS_GATE=gate is not None, PRECISION=_precision(x2.dtype), DOT_FP32=_dot_fp32(x2.dtype), **_BUILD,
     )  # fmt: skip
-    return dw
+    if splits == 1:
+        return dw
+    return dw.view(splits, n_experts, d_in, d_out).sum(0).to(x2.dtype)  # a reduction without atomics
+
+
+def _weight_grad_splits(n_experts: int, d_in: int, d_out: int, pair_bucket: int, device: torch.device) -> int:
+    """Chunks per expert for the weight gradient: enough for two programs per SM with 64 x 64 tiles, as long as a
+    chunk keeps WEIGHT_GRAD_MIN_PAIRS of the expert's expected pairs. Depends only on the shapes and the GPU."""
+    programs = n_experts * triton.cdiv(d_in, 64) * triton.cdiv(d_out, 64)
+    wanted = triton.cdiv(2 * _sm_count(device), programs)
+    affordable = pair_bucket // (n_experts * WEIGHT_GRAD_MIN_PAIRS)
+    return max(1, min(wanted, affordable, WEIGHT_GRAD_MAX_SPLITS))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ----------------------------------------------------------------------------------------------------------
