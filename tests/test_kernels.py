@@ -405,3 +405,46 @@ def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
     for r in rows:
         assert all(float(v) > 0 for v in (r[3], r[4], r[6], r[7])), r
         assert r[5].strip().endswith("%") and r[8].strip().endswith("%"), r
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[6], SHAPES[12]], ids=str)
+def test_triton_deterministic_mode_matches_naive_loop(shape, backend, deterministic):
+    """Under torch.use_deterministic_algorithms the rows that several pairs add into (here: the output in the
+    forward and the input rows in grad_x) get one row per pair, summed afterwards instead of atomically."""
+    backend("triton")
+    for dtype in (torch.float32, torch.bfloat16):
+        exact, cast = make(shape, dtype)
+        assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["default", "deterministic"])
+def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
+    """The launches the op makes (recorded as for a GPU): atomics into shared rows unless determinism is asked for."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    kernel = triton_kernels.load()._grouped_matmul_kernel.fn
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        shape = SHAPES[4]  # O projection: 6 slots into one output row, 3 per input row in grad_x
+        launches = gpu_build.launches(*make(shape)[1][:4], shape.n_out)
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=True)
+    matmuls = [  # forward and grad_x
+        dict(zip(kernel.arg_names, launch.args)) | launch.kwargs
+        for launch in launches
+        if launch.kernel == "_grouped_matmul_kernel"
+    ]
+    assert [m["C_PER"] for m in matmuls] == [6, 3]
+    assert [m["ATOMIC"] for m in matmuls] == [not on] * 2
+    assert [m["STORE_PER"] for m in matmuls] == ([1, 1] if on else [6, 3])

@@ -8,7 +8,8 @@ Three kernels, each followed by its launcher:
    gathered straight from x, the gate multiply and the slot/head reduction happen in the epilogue: no
    [N, S, D_out] intermediate is ever written. When several slots feed one output row the epilogue adds into
    an fp32 buffer with atomics: bitwise reproducible only while at most two slots share a row (fp32 addition
-   is commutative, not associative). The same kernel computes grad_x with the weight transposed,
+   is commutative, not associative). Under torch.use_deterministic_algorithms(True) each pair gets a row of
+   its own instead, summed in a fixed order afterwards. The same kernel computes grad_x with the weight transposed,
    and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the un-gated
    grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
 2. `_weight_grad_kernel`: one program per (expert, D_in tile, D_out tile) walks that expert's pairs in a
@@ -211,7 +212,7 @@ def _tile_owner(tile, offsets_ptr, n_experts, BLOCK_M: tl.constexpr, E_PAD: tl.c
 @triton.jit
 def _grouped_matmul_kernel(
     a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr, gate_ptr, partner_ptr, gate_grad_ptr,
-    n_experts, n_pairs, K_DIM, N_DIM, M_BUCKET, A_PER, C_PER,
+    n_experts, n_pairs, K_DIM, N_DIM, M_BUCKET, A_PER, C_PER, STORE_PER,
     stride_a, stride_we, stride_wk, stride_wn, stride_c, stride_partner,
     HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -252,7 +253,8 @@ def _grouped_matmul_kernel(
         tl.store(gate_grad_ptr + tl.program_id(1) * n_pairs + pair, partial, mask=mask_m)
     if HAS_GATE:
         acc *= tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = c_ptr + c_row[:, None] * stride_c + offs_n[None, :]
+    # STORE_PER is C_PER, or 1 when the caller wants one row per pair (to add them up in a fixed order itself).
+    c_ptrs = c_ptr + (pair // STORE_PER)[:, None] * stride_c + offs_n[None, :]
     if ATOMIC:
         # Several slots add into one output row (heads of O, slots of a head); c is an fp32 buffer.
         tl.atomic_add(c_ptrs, acc, mask=mask_c)
@@ -276,6 +278,10 @@ def _grouped_matmul(
 
     Returns c (fp32 if rows receive several pairs, else a's dtype) and, when `partner` is given, the per-pair
     dot product of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
+
+    Several pairs per row are added with atomics, in whatever order the tiles finish. Under
+    torch.use_deterministic_algorithms(True) every pair gets a row of its own instead, and the rows are then
+    summed in pair order: bitwise reproducible, at the cost of an fp32 [pairs, D] buffer.
     """
     n_experts = weight.shape[0]
     k_dim, n_dim = a.shape[1], (weight.shape[1] if transpose_weight else weight.shape[2])
@@ -283,9 +289,11 @@ def _grouped_matmul(
     if transpose_weight:
         stride_wk, stride_wn = stride_wn, stride_wk
     n_pairs = order.numel()
-    atomic = c_per > 1
+    per_pair = c_per > 1 and torch.are_deterministic_algorithms_enabled()
+    atomic = c_per > 1 and not per_pair
+    store_per = 1 if per_pair else c_per
     c = (torch.zeros if atomic else torch.empty)(
-        c_rows, n_dim, dtype=torch.float32 if atomic else a.dtype, device=a.device
+        n_pairs if per_pair else c_rows, n_dim, dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device
     )
     gate_grad = None
     if partner is not None:
@@ -299,12 +307,14 @@ def _grouped_matmul(
         a, weight, c, order, offsets,
         gate if gate is not None else a, partner if partner is not None else a,
         gate_grad if gate_grad is not None else c,
-        n_experts, n_pairs, k_dim, n_dim, _bucket(n_pairs), a_per, c_per,
+        n_experts, n_pairs, k_dim, n_dim, _bucket(n_pairs), a_per, c_per, store_per,
         a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0),
         partner.stride(0) if partner is not None else 0,
         HAS_GATE=gate is not None, GATE_GRAD=partner is not None, ATOMIC=atomic, PRECISION=_precision(a.dtype),
         DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
     )  # fmt: skip
+    if per_pair:
+        c = c.view(c_rows, c_per, n_dim).sum(1)
     return c, (gate_grad.sum(0) if gate_grad is not None else None)
 
 
