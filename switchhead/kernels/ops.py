@@ -21,9 +21,10 @@ use in the model:
 
 It is registered as the custom op ``switchhead::expert_projection`` (fake implementation and autograd; the
 backward is the custom op ``switchhead::expert_projection_backward``) so that training, the runtime and the
-ONNX exporter all see the same node. Accumulation is in float32 (or wider) on every backend. The weight gradient
-is bitwise reproducible run to run on every backend; the Triton forward and input gradient add the slots that
-share a row with atomics unless torch.use_deterministic_algorithms(True) is set.
+ONNX exporter all see the same node. Accumulation is in float32 (or wider) on every backend. The Triton weight
+gradient is bitwise reproducible run to run by construction (so are the PyTorch paths on the CPU); the Triton
+forward and input gradient add the slots that share a row with atomics unless
+torch.use_deterministic_algorithms(True) is set.
 
 Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`), anything else -> PyTorch
 (`torch_paths`, which picks a regime by shape). The environment variable ``SWITCHHEAD_KERNEL`` (read at
