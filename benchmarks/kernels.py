@@ -5,6 +5,7 @@
     python benchmarks/kernels.py --n 256 4096 --block-elements 65536 262144 1048576 0   # grouped block sizes
     python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
     python benchmarks/kernels.py --n 256 4096 --regimes grouped --against REV   # beside the code at git REV
+    python benchmarks/kernels.py --n 256 4096 --anatomy   # where the grouped forward's time goes
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -230,6 +231,63 @@ def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
     return _fwd_bwd_table(ns, variants, repeats)
 
 
+def anatomy_table(ns: list[int], repeats: int) -> list[str]:
+    """Where the grouped forward's time goes: its plan (sort, blocks), row gathers, per-block GEMMs and
+    index_adds, each timed alone on the same blocks, beside the same-FLOP matmul; and the same GEMMs with both
+    widths zero-padded to a multiple of 16, to show what odd widths (76, 412) cost the CPU GEMM."""
+    lines = [
+        "| case | N | matmul ms | grouped ms | plan | gathers | GEMMs | index_adds | GEMMs, widths padded to 16 "
+        "| matmul GFLOP/s | GEMMs GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    for case in CASES:
+        for n in ns:
+            t = interleaved_min_ms(_anatomy_parts(case, n), repeats)
+            gflop = 2 * n * case.slots * case.d_in * case.d_out / 1e9
+            cells = " | ".join(f"{t[k]:.3f}" for k in ("matmul", "grouped", "plan", "gathers", "GEMMs", "index_adds"))
+            lines.append(
+                f"| {case.name} | {n} | {cells} | {t['padded']:.3f} | {gflop / t['matmul'] * 1e3:.0f} "
+                f"| {gflop / t['GEMMs'] * 1e3:.0f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
+def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
+    acc = torch.float32
+    x, w, index, gate = make_inputs(case, n, acc, "cpu")
+    xd, wd = (t.detach() for t in _dense_equivalent(case, n))
+    x2 = x.reshape(-1, case.d_in)
+    plan = torch_paths._plan(index, gate, w, case.n_in, case.n_out, acc, 1)
+    blocks = [(experts[0], b) for experts, b in plan.blocks]
+    rows = [x2.index_select(0, plan.src[b]) for _, b in blocks]
+    products = [r @ w[e] for (e, _), r in zip(blocks, rows)]
+    d_in, d_out = (-(-d // 16) * 16 for d in (case.d_in, case.d_out))
+    w_pad = torch.nn.functional.pad(w, (0, d_out - case.d_out, 0, d_in - case.d_in))
+    rows_pad = [torch.nn.functional.pad(r, (0, d_in - case.d_in)) for r in rows]
+    out = torch.zeros(n * case.n_out, case.d_out)
+    gemms = [(e, r) for (e, _), r in zip(blocks, rows)]
+    gemms_padded = [(e, r) for (e, _), r in zip(blocks, rows_pad)]
+    adds = [(b, y) for (_, b), y in zip(blocks, products)]
+    # Each part drops its block's result before the next block, as the regime does: keeping them all alive would
+    # time fresh memory (page faults) instead of the operation.
+    return {
+        "matmul": _call(_matmul, xd, wd),
+        "grouped": _call(torch_paths.grouped_forward, x, w, index, gate, case.n_out),
+        "plan": _call(torch_paths._plan, index, gate, w, case.n_in, case.n_out, acc, 1),
+        "gathers": _call(_each, lambda b: x2.index_select(0, plan.src[b]), [(b,) for _, b in blocks]),
+        "GEMMs": _call(_each, lambda e, r: r @ w[e], gemms),
+        "index_adds": _call(_each, lambda b, y: out.index_add_(0, plan.dst[b], y), adds),
+        "padded": _call(_each, lambda e, r: r @ w_pad[e], gemms_padded),
+    }
+
+
+def _each(fn: Callable, calls: list[tuple]) -> None:
+    for args in calls:
+        fn(*args)
+
+
 def gpu_table(
     ns: list[int], device: str = "cuda", cases: list[Case] = CASES, bench: Callable[[Callable], float] | None = None
 ) -> list[str]:
@@ -292,6 +350,7 @@ def main() -> None:
     )
     parser.add_argument("--regimes", nargs="*", choices=list(torch_paths.FORWARD), help="only time these regimes")
     parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
+    parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -302,6 +361,10 @@ def main() -> None:
     if args.regimes:
         print("\n## CPU regimes, forward and backward (fp32, best of the interleaved repeats, ms)\n")
         regime_table(args.n, args.regimes, 5 if args.quick else 15, args.against)
+        return
+    if args.anatomy:
+        print("\n## CPU grouped forward, part by part (fp32, best of the interleaved repeats, ms)\n")
+        anatomy_table(args.n, 5 if args.quick else 15)
         return
     if args.block_elements:
         print("\n## CPU grouped regime by block size (fp32, best of the interleaved repeats, ms)\n")
