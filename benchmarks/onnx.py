@@ -4,7 +4,9 @@
 
 For each config (random weights): export fp32 and int8, then decode the same tokens one at a time with
 `TorchBackend` and `OnnxBackend` (same engine `feed` loop, same XL cache), after a prefill of half a chunk.
-Prints a table with tokens/s, the ratio to eager, model file sizes and the max |logit| difference to eager.
+The engines take turns, one decode each per round, and each keeps its best round, so that all three see the
+same background load on a shared machine. Prints a table with tokens/s, the ratio to eager, model file
+sizes and the max |logit| difference to eager.
 
     .venv/bin/python benchmarks/onnx.py --ppl-ckpt RUN/final --ppl-text ../shared/data/heldout/... [--ppl-tokens N]
 
@@ -32,18 +34,25 @@ from switchhead.model.lm import TransformerLM  # noqa: E402
 from switchhead.runtime import TorchBackend, feed  # noqa: E402
 
 
-def decode_rate(backend, prompt: list[int], tokens: list[int], repeats: int) -> tuple[float, torch.Tensor]:
-    best, logits = 0.0, None
+def decode_once(backend, prompt: list[int], tokens: list[int]) -> tuple[float, torch.Tensor]:
+    """Tokens/s of one batch-1 decode of `tokens` after prefilling `prompt`, and the logits of every step."""
+    cache = backend.new_cache(1)
+    feed(backend, cache, [prompt])
+    out = []
+    t0 = time.perf_counter()
+    for tok in tokens:
+        out.append(feed(backend, cache, [[tok]])[0])
+    return len(tokens) / (time.perf_counter() - t0), torch.stack(out)
+
+
+def interleaved_rates(backends: dict, prompt: list[int], tokens: list[int], repeats: int) -> dict:
+    """Best tokens/s of each backend over `repeats` rounds in which every backend decodes once, and its logits."""
+    best = {name: (0.0, None) for name in backends}
     for _ in range(repeats):
-        cache = backend.new_cache(1)
-        feed(backend, cache, [prompt])
-        out = []
-        t0 = time.perf_counter()
-        for tok in tokens:
-            out.append(feed(backend, cache, [[tok]])[0])
-        best = max(best, len(tokens) / (time.perf_counter() - t0))
-        logits = torch.stack(out)
-    return best, logits
+        for name, backend in backends.items():
+            rate, logits = decode_once(backend, prompt, tokens)
+            best[name] = (max(rate, best[name][0]), logits)
+    return best
 
 
 def perplexity(ckpt: str, text: str, n_tokens: int, threads: int) -> None:
@@ -99,21 +108,18 @@ def main() -> None:
             g = torch.Generator().manual_seed(1)
             prompt = torch.randint(0, cfg.vocab_size, (cfg.chunk_len // 2,), generator=g).tolist()
             tokens = torch.randint(0, cfg.vocab_size, (args.tokens,), generator=g).tolist()
-            eager, ref = decode_rate(TorchBackend(model), prompt, tokens, args.repeats)
-            rows.append((name, "torch eager fp32", eager, None, None))
+            backends, sizes = {"torch eager fp32": TorchBackend(model)}, {}
             for quant in (None, "int8"):
                 t0 = time.perf_counter()
                 res = export(None, Path(tmp) / f"{name}-{quant}", model=model, quantize=quant)
-                took = time.perf_counter() - t0
-                backend = OnnxBackend(res.out, threads=args.threads)
-                rate, logits = decode_rate(backend, prompt, tokens, args.repeats)
-                rows.append((name, f"onnxruntime {'int8' if quant else 'fp32'}", rate, res.model_bytes,
-                             float((logits - ref).abs().max())))
-                print(f"  exported {name} {quant or 'fp32'} in {took:.0f} s", flush=True)
-            eager_rate = eager
-            for i in range(len(rows) - 3, len(rows)):
-                n, what, rate, size, err = rows[i]
-                rows[i] = (n, what, rate, size, err, rate / eager_rate)
+                what = f"onnxruntime {quant or 'fp32'}"
+                backends[what], sizes[what] = OnnxBackend(res.out, threads=args.threads), res.model_bytes
+                print(f"  exported {name} {quant or 'fp32'} in {time.perf_counter() - t0:.0f} s", flush=True)
+            rates = interleaved_rates(backends, prompt, tokens, args.repeats)
+            eager, ref = rates["torch eager fp32"]
+            for what, (rate, logits) in rates.items():
+                err = None if what not in sizes else float((logits - ref).abs().max())
+                rows.append((name, what, rate, sizes.get(what), err, rate / eager))
     print("\n| config | engine | decode tok/s (batch 1) | vs eager | model.onnx MB | max abs logit diff |")
     print("|---|---|---|---|---|---|")
     for n, what, rate, size, err, ratio in rows:
