@@ -156,7 +156,9 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
     return lines
 
 
-def _fwd_bwd_table(ns: list[int], variants: dict[str, tuple[Callable, Callable]], repeats: int) -> list[str]:
+def _fwd_bwd_table(
+    ns: list[int], variants: dict[str, tuple[Callable, Callable]], repeats: int, dtype: torch.dtype = torch.float32
+) -> list[str]:
     """Forward and backward (all gradients) of each variant, called directly with a regime's signature,
     interleaved; one row per shape and N."""
     lines = [
@@ -166,8 +168,8 @@ def _fwd_bwd_table(ns: list[int], variants: dict[str, tuple[Callable, Callable]]
     print(lines[0] + "\n" + lines[1], flush=True)
     for case in CASES:
         for n in ns:
-            x, w, index, gate = make_inputs(case, n, torch.float32, "cpu")
-            grad = torch.randn(n, case.n_out, case.d_out)
+            x, w, index, gate = make_inputs(case, n, dtype, "cpu")
+            grad = torch.randn(n, case.n_out, case.d_out).to(dtype)
             fns = {}
             for v, (fwd, bwd) in variants.items():
                 fns[f"{v} fwd"] = _call(fwd, x, w, index, gate, case.n_out)
@@ -196,7 +198,9 @@ def _paths_at(rev: str) -> ModuleType:
     return module
 
 
-def regime_table(ns: list[int], regimes: list[str], repeats: int, against: str | None = None) -> list[str]:
+def regime_table(
+    ns: list[int], regimes: list[str], repeats: int, against: str | None = None, dtype: torch.dtype = torch.float32
+) -> list[str]:
     """Each named regime, and with `against` the same regime as of that git revision beside it."""
     sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
     variants = {}
@@ -205,7 +209,7 @@ def regime_table(ns: list[int], regimes: list[str], repeats: int, against: str |
             if r not in paths.FORWARD:
                 sys.exit(f"regime {r!r} does not exist at {against}")
             variants[r + suffix] = (paths.FORWARD[r], paths.BACKWARD[r])
-    return _fwd_bwd_table(ns, variants, repeats)
+    return _fwd_bwd_table(ns, variants, repeats, dtype)
 
 
 def _with_block_elements(fn: Callable, size: int) -> Callable:
@@ -350,6 +354,9 @@ def main() -> None:
     )
     parser.add_argument("--regimes", nargs="*", choices=list(torch_paths.FORWARD), help="only time these regimes")
     parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="with --regimes: input dtype"
+    )
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
@@ -359,8 +366,8 @@ def main() -> None:
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
     if args.regimes:
-        print("\n## CPU regimes, forward and backward (fp32, best of the interleaved repeats, ms)\n")
-        regime_table(args.n, args.regimes, 5 if args.quick else 15, args.against)
+        print(f"\n## CPU regimes, forward and backward ({args.dtype}, best of the interleaved repeats, ms)\n")
+        regime_table(args.n, args.regimes, 5 if args.quick else 15, args.against, getattr(torch, args.dtype))
         return
     if args.anatomy:
         print("\n## CPU grouped forward, part by part (fp32, best of the interleaved repeats, ms)\n")
