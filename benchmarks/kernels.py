@@ -109,18 +109,16 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
-def _dense_equivalent(case: Case, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_equivalent(case: Case, n: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense matmul with the op's active FLOPs (N*S*D_in*D_out): the projection without routing."""
     if case.n_out > 1:  # V-like: every token's input row goes through S experts' worth of columns
-        return torch.randn(n, case.d_in, requires_grad=True), torch.randn(
-            case.d_in, case.slots * case.d_out, requires_grad=True
-        )
-    return torch.randn(n, case.slots * case.d_in, requires_grad=True), torch.randn(
-        case.slots * case.d_in, case.d_out, requires_grad=True
-    )
+        shapes = (n, case.d_in), (case.d_in, case.slots * case.d_out)
+    else:
+        shapes = (n, case.slots * case.d_in), (case.slots * case.d_in, case.d_out)
+    return tuple(torch.randn(shape, dtype=dtype, requires_grad=True) for shape in shapes)
 
 
-def cpu_table(ns: list[int], repeats: int) -> list[str]:
+def cpu_table(ns: list[int], repeats: int, dtype: torch.dtype = torch.float32) -> list[str]:
     os.environ["SWITCHHEAD_KERNEL"] = "torch"
     lines = [
         "| case | N | matmul fwd ms | gather | dense | grouped | combo | op (regime) | op / matmul "
@@ -130,10 +128,10 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
     print(lines[0] + "\n" + lines[1], flush=True)
     for case in CASES:
         for n in ns:
-            x, w, index, gate = make_inputs(case, n, torch.float32, "cpu", grad=True)
+            x, w, index, gate = make_inputs(case, n, dtype, "cpu", grad=True)
             args = (x, w, index, gate, case.n_out)
             wrt = [x, w] + ([gate] if gate is not None else [])
-            xd, wd = _dense_equivalent(case, n)
+            xd, wd = _dense_equivalent(case, n, dtype)
             # gather is skipped where it would multiply thousands of (token, slot) pairs one by one
             regimes = ["dense", "grouped", "combo"] + (["gather"] if n * case.slots <= 4096 else [])
             with torch.no_grad():
@@ -144,26 +142,34 @@ def cpu_table(ns: list[int], repeats: int) -> list[str]:
                 {"matmul": _fwd_bwd(_matmul, (xd, wd), [xd, wd]), "op": _fwd_bwd(expert_projection, args, wrt)},
                 repeats,
             )
-            regime = torch_paths.choose_regime(
-                n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out
-            )
+            shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
+            fwd_regime = torch_paths.choose_regime(*shape, dtype=dtype)
+            bwd_regime = torch_paths.choose_regime(*shape, True, dtype=dtype)
             cols = " | ".join(f"{t[r]:.3f}" if r in t else "-" for r in ("gather", "dense", "grouped", "combo"))
             lines.append(
-                f"| {case.name} | {n} | {t['matmul']:.3f} | {cols} | {t['op']:.3f} ({regime}) "
-                f"| {t['op'] / t['matmul']:.2f} | {tb['matmul']:.3f} | {tb['op']:.3f} | {tb['op'] / tb['matmul']:.2f} |"
+                f"| {case.name} | {n} | {t['matmul']:.3f} | {cols} | {t['op']:.3f} ({fwd_regime}) "
+                f"| {t['op'] / t['matmul']:.2f} | {tb['matmul']:.3f} | {tb['op']:.3f} ({bwd_regime} backward) "
+                f"| {tb['op'] / tb['matmul']:.2f} |"
             )
             print(lines[-1], flush=True)
     return lines
 
 
 def _fwd_bwd_table(
-    ns: list[int], variants: dict[str, tuple[Callable, Callable]], repeats: int, dtype: torch.dtype = torch.float32
+    ns: list[int],
+    variants: dict[str, tuple[Callable, Callable]],
+    repeats: int,
+    dtype: torch.dtype = torch.float32,
+    auto: bool = False,
 ) -> list[str]:
     """Forward and backward (all gradients) of each variant, called directly with a regime's signature,
-    interleaved; one row per shape and N."""
+    interleaved; one row per shape and N. `auto`: a last column with the regimes `choose_regime` picks."""
     lines = [
-        "| case | N | " + " | ".join(f"{v} fwd | {v} bwd" for v in variants) + " |",
-        "|---|---|" + "---|---|" * len(variants),
+        "| case | N | "
+        + " | ".join(f"{v} fwd | {v} bwd" for v in variants)
+        + (" | auto fwd / bwd" if auto else "")
+        + " |",
+        "|---|---|" + "---|---|" * len(variants) + ("---|" if auto else ""),
     ]
     print(lines[0] + "\n" + lines[1], flush=True)
     for case in CASES:
@@ -176,6 +182,10 @@ def _fwd_bwd_table(
                 fns[f"{v} bwd"] = _call(bwd, grad, x, w, index, gate, True)
             t = interleaved_min_ms(fns, repeats)
             cells = " | ".join(f"{t[f'{v} fwd']:.3f} | {t[f'{v} bwd']:.3f}" for v in variants)
+            if auto:
+                shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
+                picks = [torch_paths.choose_regime(*shape, backward, dtype=dtype) for backward in (False, True)]
+                cells += f" | {picks[0]} / {picks[1]}"
             lines.append(f"| {case.name} | {n} | {cells} |")
             print(lines[-1], flush=True)
     return lines
@@ -209,7 +219,7 @@ def regime_table(
             if r not in paths.FORWARD:
                 sys.exit(f"regime {r!r} does not exist at {against}")
             variants[r + suffix] = (paths.FORWARD[r], paths.BACKWARD[r])
-    return _fwd_bwd_table(ns, variants, repeats, dtype)
+    return _fwd_bwd_table(ns, variants, repeats, dtype, auto=True)
 
 
 def _with_block_elements(fn: Callable, size: int) -> Callable:
@@ -355,7 +365,7 @@ def main() -> None:
     parser.add_argument("--regimes", nargs="*", choices=list(torch_paths.FORWARD), help="only time these regimes")
     parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="with --regimes: input dtype"
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="op table and --regimes dtype"
     )
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -378,8 +388,8 @@ def main() -> None:
         block_table(args.n, args.block_elements, 5 if args.quick else 15)
         return
     if not args.no_cpu:
-        print("\n## CPU (fp32, best of the interleaved repeats, ms)\n")
-        cpu_table(args.n, 5 if args.quick else 15)
+        print(f"\n## CPU ({args.dtype}, best of the interleaved repeats, ms)\n")
+        cpu_table(args.n, 5 if args.quick else 15, getattr(torch, args.dtype))
     if torch.cuda.is_available():
         print(f"\n## GPU ({torch.cuda.get_device_name()})\n")
         gpu_table([1, 256, 4096, 16384])

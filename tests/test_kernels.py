@@ -194,6 +194,15 @@ def test_torch_regimes_half(shape, regime, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES + [Shape(300, 1, 6, 2, 10, 24, 16)], ids=str)
+def test_torch_op_half(shape, dtype, backend):
+    """The op picks its regime by dtype too (bf16 keeps dense longer on CPUs with bf16 instructions)."""
+    backend("torch")
+    exact, cast = make(shape, dtype)
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", HALF_SHAPES, ids=str)
 def test_triton_half(shape, dtype, backend):
     backend("triton")

@@ -25,7 +25,9 @@ The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-c
 
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
@@ -61,22 +63,63 @@ DENSE_BROADCAST_MAX_ROWS = 64
 # the fastest or within 3 % of it in every case, while each other size was ~20 % behind somewhere.
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
 
+# bf16 inputs on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX): one big bf16 GEMM runs at about twice
+# the fp32 rate, while grouped and combo keep their gathers, fp32 conversions and index_adds around thinner GEMMs,
+# so dense stays ahead up to 7-20x more tokens than in fp32, and in the forward of O-like shapes (inputs
+# contracted, I > R) at every N measured. `python benchmarks/kernels.py --threads 1 --n 128 256 512 1024 2048 4096
+# 8192 --regimes dense grouped combo --dtype bfloat16`, dense vs the better of grouped and combo, ms:
+#   forward: 47M V 4.09 vs 5.13 at N = 2048, 12.38 vs 9.19 at 4096; 262M V 3.02 vs 3.25 at 256, 10.81 vs 8.83 at
+#   1024; sigma-MoE up 1.30 vs 1.86 at 128, 2.58 vs 1.96 at 512; 47M O 15.12 vs 22.83 at 8192; 262M O 38.87 vs
+#   39.82 at 4096;
+#   backward: 47M V 6.11 vs 6.42 at 1024, 17.13 vs 12.45 at 2048; 47M O 3.48 vs 4.30 at 512, 10.81 vs 9.51 at
+#   2048; 262M V 5.12 vs 5.60 at 128, 8.92 vs 7.67 at 256; sigma-MoE down 1.73 vs 3.09 at 128, 5.99 vs 4.63 at 512.
+# Model: dense iff (waste - 1 - extra) * useful MACs <= E * overhead, where `extra` is the share of the useful work
+# that the blocked regimes spend beyond dense's GEMM rate (forward only; at or above waste - 1, dense always wins).
+BF16_FORWARD_EXTRA = {"expand": 0.4, "contract": 1.0}  # by _dense_expands_inputs: V-like / O-like
+BF16_OVERHEAD_MACS_PER_EXPERT = {"forward": 14e6, "backward": 12e6}
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Does this CPU multiply bf16 natively? Elsewhere bf16 GEMMs are converted to fp32 and the fp32 rules apply."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: no cheap way to tell, keep the fp32 rules
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
 
 def choose_regime(
-    n: int, n_in: int, slots: int, n_out: int, n_experts: int, d_in: int, d_out: int, backward: bool = False
+    n: int,
+    n_in: int,
+    slots: int,
+    n_out: int,
+    n_experts: int,
+    d_in: int,
+    d_out: int,
+    backward: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> Regime:
     if n * slots <= GATHER_MAX_PAIRS:
         return "gather"
+    waste = n_experts * min(n_in, n_out) / slots
+    useful_macs = n * slots * d_in * d_out
+    bf16 = dtype == torch.bfloat16 and native_bf16()
+    if bf16:
+        extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if _dense_expands_inputs(n_in, n_out) else "contract"]
+        overhead = BF16_OVERHEAD_MACS_PER_EXPERT["backward" if backward else "forward"]
+        if (waste - 1 - extra) * useful_macs <= n_experts * overhead:
+            return "dense"
     seg = _segment(slots, n_in, n_out)
     if seg > 1 and n >= COMBO_MIN_SEGMENTS_PER_SET * math.comb(max(seg, round(n_experts * seg / slots)), seg):
         return "combo"
-    waste = n_experts * min(n_in, n_out) / slots
+    if bf16:
+        return "grouped"
     if backward and _dense_expands_inputs(n_in, n_out):
         # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
         # 1.36 vs 0.61 ms, `python benchmarks/kernels.py --threads 1 --n 16 64 256 --regimes dense grouped`).
         return "grouped"
-    wasted_macs = (waste - 1) * n * slots * d_in * d_out
-    return "dense" if wasted_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
+    return "dense" if (waste - 1) * useful_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -379,7 +422,7 @@ BACKWARD = {"gather": gather_backward, "dense": dense_backward, "grouped": group
 def forward(
     x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, regime: Regime | None = None
 ) -> Tensor:
-    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape)
+    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, dtype=x.dtype)
     return FORWARD[regime](x, weight, index, gate, n_out)
 
 
@@ -392,5 +435,7 @@ def backward(
     need_gate_grad: bool,
     regime: Regime | None = None,
 ) -> Grads:
-    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], grad.shape[1], *weight.shape, True)
+    regime = regime or choose_regime(
+        x.shape[0], x.shape[1], index.shape[1], grad.shape[1], *weight.shape, True, dtype=x.dtype
+    )
     return BACKWARD[regime](grad, x, weight, index, gate, need_gate_grad)
