@@ -9,9 +9,9 @@ Three kernels, each followed by its launcher:
    [N, S, D_out] intermediate is ever written. When several slots feed one output row the epilogue adds into
    an fp32 buffer with atomics: bitwise reproducible only while at most two slots share a row (fp32 addition
    is commutative, not associative). Under torch.use_deterministic_algorithms(True) each pair gets a row of
-   its own instead, summed in a fixed order afterwards. The same kernel computes grad_x with the weight transposed,
-   and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the un-gated
-   grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
+   its own instead, summed in a fixed order afterwards. The same kernel computes grad_x with the weight
+   transposed, and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the
+   un-gated grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
 2. `_weight_grad_kernel`: one program per (expert, D_in tile, D_out tile) walks that expert's pairs in a
    fixed order: deterministic, no atomics (the authors' CVMM uses atomics here). When that is too few programs
    for the GPU, each expert's pairs are cut into chunks with one program each, whose partial sums are added
