@@ -76,21 +76,41 @@ def make_inputs(case: Case, n: int, dtype: torch.dtype, device: str, grad: bool 
     return x, w, index, gate
 
 
-def interleaved_min_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best wall time in ms of each function, calling them in turn each round.
-
-    The machine is shared: interleaving exposes every candidate to the same background load, and the
-    minimum is the least disturbed run.
-    """
-    best = dict.fromkeys(fns, float("inf"))
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Wall times in seconds of each function over `repeats` rounds, calling them in turn each round (after one
+    warm-up round). The machine is shared: interleaving exposes every candidate to the same background load."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
-        fn()  # warm-up
+        fn()
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {k: v * 1e3 for k, v in best.items()}
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def interleaved_min_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall time in ms of each function over interleaved rounds: the least disturbed run."""
+    return {name: min(ts) * 1e3 for name, ts in interleaved_times(fns, repeats).items()}
+
+
+def _table(header: str) -> list[str]:
+    """A markdown table's header and separator, printed at once (the tables stream row by row)."""
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    return lines
+
+
+def _add_row(lines: list[str], row: str) -> None:
+    lines.append(row)
+    print(row, flush=True)
+
+
+def _auto_regimes(case: Case, n: int, dtype: torch.dtype) -> tuple[str, str]:
+    """The regimes the op picks for this case's forward and backward."""
+    shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
+    return tuple(torch_paths.choose_regime(*shape, backward, dtype=dtype) for backward in (False, True))
 
 
 def _call(fn: Callable, *args) -> Callable[[], object]:
@@ -120,12 +140,10 @@ def _dense_equivalent(case: Case, n: int, dtype: torch.dtype = torch.float32) ->
 
 def cpu_table(ns: list[int], repeats: int, dtype: torch.dtype = torch.float32) -> list[str]:
     os.environ["SWITCHHEAD_KERNEL"] = "torch"
-    lines = [
+    lines = _table(
         "| case | N | matmul fwd ms | gather | dense | grouped | combo | op (regime) | op / matmul "
-        "| matmul fwd+bwd ms | op fwd+bwd | op / matmul fwd+bwd |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    print(lines[0] + "\n" + lines[1], flush=True)
+        "| matmul fwd+bwd ms | op fwd+bwd | op / matmul fwd+bwd |"
+    )
     for case in CASES:
         for n in ns:
             x, w, index, gate = make_inputs(case, n, dtype, "cpu", grad=True)
@@ -142,16 +160,14 @@ def cpu_table(ns: list[int], repeats: int, dtype: torch.dtype = torch.float32) -
                 {"matmul": _fwd_bwd(_matmul, (xd, wd), [xd, wd]), "op": _fwd_bwd(expert_projection, args, wrt)},
                 repeats,
             )
-            shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
-            fwd_regime = torch_paths.choose_regime(*shape, dtype=dtype)
-            bwd_regime = torch_paths.choose_regime(*shape, True, dtype=dtype)
+            fwd_regime, bwd_regime = _auto_regimes(case, n, dtype)
             cols = " | ".join(f"{t[r]:.3f}" if r in t else "-" for r in ("gather", "dense", "grouped", "combo"))
-            lines.append(
+            _add_row(
+                lines,
                 f"| {case.name} | {n} | {t['matmul']:.3f} | {cols} | {t['op']:.3f} ({fwd_regime}) "
                 f"| {t['op'] / t['matmul']:.2f} | {tb['matmul']:.3f} | {tb['op']:.3f} ({bwd_regime} backward) "
-                f"| {tb['op'] / tb['matmul']:.2f} |"
+                f"| {tb['op'] / tb['matmul']:.2f} |",
             )
-            print(lines[-1], flush=True)
     return lines
 
 
@@ -164,14 +180,8 @@ def _fwd_bwd_table(
 ) -> list[str]:
     """Forward and backward (all gradients) of each variant, called directly with a regime's signature,
     interleaved; one row per shape and N. `auto`: a last column with the regimes `choose_regime` picks."""
-    lines = [
-        "| case | N | "
-        + " | ".join(f"{v} fwd | {v} bwd" for v in variants)
-        + (" | auto fwd / bwd" if auto else "")
-        + " |",
-        "|---|---|" + "---|---|" * len(variants) + ("---|" if auto else ""),
-    ]
-    print(lines[0] + "\n" + lines[1], flush=True)
+    columns = [f"{v} fwd | {v} bwd" for v in variants] + (["auto fwd / bwd"] if auto else [])
+    lines = _table("| case | N | " + " | ".join(columns) + " |")
     for case in CASES:
         for n in ns:
             x, w, index, gate = make_inputs(case, n, dtype, "cpu")
@@ -183,11 +193,8 @@ def _fwd_bwd_table(
             t = interleaved_min_ms(fns, repeats)
             cells = " | ".join(f"{t[f'{v} fwd']:.3f} | {t[f'{v} bwd']:.3f}" for v in variants)
             if auto:
-                shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
-                picks = [torch_paths.choose_regime(*shape, backward, dtype=dtype) for backward in (False, True)]
-                cells += f" | {picks[0]} / {picks[1]}"
-            lines.append(f"| {case.name} | {n} | {cells} |")
-            print(lines[-1], flush=True)
+                cells += " | {} / {}".format(*_auto_regimes(case, n, dtype))
+            _add_row(lines, f"| {case.name} | {n} | {cells} |")
     return lines
 
 
@@ -249,22 +256,20 @@ def anatomy_table(ns: list[int], repeats: int) -> list[str]:
     """Where the grouped forward's time goes: its plan (sort, blocks), row gathers, per-block GEMMs and
     index_adds, each timed alone on the same blocks, beside the same-FLOP matmul; and the same GEMMs with both
     widths zero-padded to a multiple of 16, to show what odd widths (76, 412) cost the CPU GEMM."""
-    lines = [
+    lines = _table(
         "| case | N | matmul ms | grouped ms | plan | gathers | GEMMs | index_adds | GEMMs, widths padded to 16 "
-        "| matmul GFLOP/s | GEMMs GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    print(lines[0] + "\n" + lines[1], flush=True)
+        "| matmul GFLOP/s | GEMMs GFLOP/s |"
+    )
     for case in CASES:
         for n in ns:
             t = interleaved_min_ms(_anatomy_parts(case, n), repeats)
             gflop = 2 * n * case.slots * case.d_in * case.d_out / 1e9
             cells = " | ".join(f"{t[k]:.3f}" for k in ("matmul", "grouped", "plan", "gathers", "GEMMs", "index_adds"))
-            lines.append(
+            _add_row(
+                lines,
                 f"| {case.name} | {n} | {cells} | {t['padded']:.3f} | {gflop / t['matmul'] * 1e3:.0f} "
-                f"| {gflop / t['GEMMs'] * 1e3:.0f} |"
+                f"| {gflop / t['GEMMs'] * 1e3:.0f} |",
             )
-            print(lines[-1], flush=True)
     return lines
 
 
@@ -311,19 +316,16 @@ def gpu_table(
     if bench is None:
         from triton.testing import do_bench as bench
 
-    lines = [
-        "| case | dtype | N | op fwd ms | cuBLAS fwd ms | fwd % of cuBLAS | op bwd ms | cuBLAS bwd ms | bwd % |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    print(lines[0] + "\n" + lines[1], flush=True)
+    lines = _table(
+        "| case | dtype | N | op fwd ms | cuBLAS fwd ms | fwd % of cuBLAS | op bwd ms | cuBLAS bwd ms | bwd % |"
+    )
     saved = os.environ.get("SWITCHHEAD_KERNEL")
     os.environ["SWITCHHEAD_KERNEL"] = "triton"
     try:
         for dtype in (torch.float16, torch.bfloat16):
             for case in cases:
                 for n in ns:
-                    lines.append(_gpu_row(case, n, dtype, device, bench))
-                    print(lines[-1], flush=True)
+                    _add_row(lines, _gpu_row(case, n, dtype, device, bench))
     finally:
         if saved is None:
             del os.environ["SWITCHHEAD_KERNEL"]

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from kernels import _paths_at
+from kernels import _paths_at, interleaved_times
 
 from switchhead.kernels import torch_paths
 from switchhead.model.config import PRESETS
@@ -65,15 +64,16 @@ def main() -> None:
         variants[f"@{args.against}"] = (old.forward, old.backward)
     chunk = PRESETS[args.config].chunk_len
     print(f"# {args.config}, batch {args.batch} x {chunk} tokens, {args.dtype}, threads {torch.get_num_threads()}")
-    times: dict[str, list[float]] = {name: [] for name in variants}
+
+    def with_paths(fwd: Callable, bwd: Callable) -> Callable[[], None]:
+        def run() -> None:
+            torch_paths.forward, torch_paths.backward = fwd, bwd
+            step()
+
+        return run
+
     try:
-        for round_ in range(args.rounds + 1):  # round 0 warms up every variant
-            for name, (fwd, bwd) in variants.items():
-                torch_paths.forward, torch_paths.backward = fwd, bwd
-                t0 = time.perf_counter()
-                step()
-                if round_:
-                    times[name].append(time.perf_counter() - t0)
+        times = interleaved_times({name: with_paths(*paths) for name, paths in variants.items()}, args.rounds)
     finally:
         torch_paths.forward, torch_paths.backward = current
     print("| paths | best s / step | median s / step | best vs current |")
