@@ -104,22 +104,26 @@ def choose_regime(
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
     useful_macs = n * slots * d_in * d_out
-    bf16 = dtype == torch.bfloat16 and native_bf16()
-    if bf16:
+    blocked = "combo" if _combo_pays(n, n_in, slots, n_out, n_experts) else "grouped"
+    if dtype == torch.bfloat16 and native_bf16():
+        # dense is weighed first here: O-like forwards stay dense even where combo would pay
         extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if _dense_expands_inputs(n_in, n_out) else "contract"]
         overhead = BF16_OVERHEAD_MACS_PER_EXPERT["backward" if backward else "forward"]
-        if (waste - 1 - extra) * useful_macs <= n_experts * overhead:
-            return "dense"
-    seg = _segment(slots, n_in, n_out)
-    if seg > 1 and n >= COMBO_MIN_SEGMENTS_PER_SET * math.comb(max(seg, round(n_experts * seg / slots)), seg):
+        return "dense" if (waste - 1 - extra) * useful_macs <= n_experts * overhead else blocked
+    if blocked == "combo":
         return "combo"
-    if bf16:
-        return "grouped"
     if backward and _dense_expands_inputs(n_in, n_out):
         # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
         # 1.36 vs 0.61 ms, `python benchmarks/kernels.py --threads 1 --n 16 64 256 --regimes dense grouped`).
         return "grouped"
     return "dense" if (waste - 1) * useful_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
+
+
+def _combo_pays(n: int, n_in: int, slots: int, n_out: int, n_experts: int) -> bool:
+    """Segments of several slots, and every expert set a head can choose expected to hold enough of them."""
+    seg = _segment(slots, n_in, n_out)
+    sets = math.comb(max(seg, round(n_experts * seg / slots)), seg)
+    return seg > 1 and n >= COMBO_MIN_SEGMENTS_PER_SET * sets
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
