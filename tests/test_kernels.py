@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -384,7 +385,6 @@ def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
     """benchmarks/kernels.py's GPU table has only run where no GPU was: run its code on the CPU (Triton
     interpreter, tiny cases, one timed call per cell) so that it is known to work before it meets one."""
     import importlib.util
-    import os
     import time
     from pathlib import Path
 
@@ -416,23 +416,26 @@ def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
         assert r[5].strip().endswith("%") and r[8].strip().endswith("%"), r
 
 
-@pytest.fixture
-def deterministic():
+@contextmanager
+def deterministic_algorithms(on: bool):
     before = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(before, warn_only=warn_only)
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[6], SHAPES[12]], ids=str)
-def test_triton_deterministic_mode_matches_naive_loop(shape, backend, deterministic):
+def test_triton_deterministic_mode_matches_naive_loop(shape, backend):
     """Under torch.use_deterministic_algorithms the rows that several pairs add into (here: the output in the
     forward and the input rows in grad_x) get one row per pair, summed afterwards instead of atomically."""
     backend("triton")
-    for dtype in (torch.float32, torch.bfloat16):
-        exact, cast = make(shape, dtype)
-        assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
+    with deterministic_algorithms(True):
+        for dtype in (torch.float32, torch.bfloat16):
+            exact, cast = make(shape, dtype)
+            assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["default", "deterministic"])
@@ -442,13 +445,9 @@ def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
     from switchhead.kernels import gpu_build, triton_kernels
 
     kernel = triton_kernels.load()._grouped_matmul_kernel.fn
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on, warn_only=True)
-    try:
-        shape = SHAPES[4]  # O projection: 6 slots into one output row, 3 per input row in grad_x
+    shape = SHAPES[4]  # O projection: 6 slots into one output row, 3 per input row in grad_x
+    with deterministic_algorithms(on):
         launches = gpu_build.launches(*make(shape)[1][:4], shape.n_out)
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=True)
     matmuls = [  # forward and grad_x
         dict(zip(kernel.arg_names, launch.args)) | launch.kwargs
         for launch in launches
