@@ -310,6 +310,42 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
         expert_projection(x, w, index, gate, 2)
 
 
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, clash",
+    [
+        ("3.6.0", "2.4.6", True),
+        ("3.6.0+git1a2b3c", "2.4.0rc1", True),
+        ("2.3.1", "3.0.0", True),
+        ("3.6.0", "2.3.5", False),
+        ("3.7.0", "2.4.6", False),
+        ("3.10.0", "2.5.0", False),
+        ("4.0.0", "2.4.0", False),
+    ],
+)
+def test_interpreter_numpy_clash(triton_version, numpy_version, clash):
+    from switchhead.kernels import triton_kernels
+
+    message = triton_kernels.interpreter_clash(triton_version, numpy_version)
+    assert (message is not None) == clash
+    if clash:
+        assert triton_version in message and numpy_version in message and "\n" not in message
+
+
+def test_interpreter_numpy_clash_is_a_clear_error(backend, monkeypatch):
+    """Triton < 3.7 with NumPy >= 2.4 under TRITON_INTERPRET=1: a one-line error instead of a TypeError from
+    deep inside the interpreter."""
+    import numpy
+    import triton
+
+    backend("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.0")
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    with pytest.raises(KernelBackendError, match="numpy<2.4"):
+        expert_projection(x, w, index, gate, 2)
+
+
 def test_bad_shapes_are_rejected():
     _, (x, w, index, gate, _) = make(SHAPES[3])
     with pytest.raises(RuntimeError, match="dividing S.*n_out 4"):

@@ -32,9 +32,11 @@ the variable changed since, so tests can switch to the interpreter at run time.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from types import ModuleType
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -150,6 +152,25 @@ def _require_runnable(t: Tensor) -> None:
         raise KernelBackendError(
             "the Triton kernels need CUDA tensors; set TRITON_INTERPRET=1 to run them (slowly) on the CPU"
         )
+    if _INTERPRETED and (clash := interpreter_clash(triton.__version__, numpy.__version__)):
+        raise KernelBackendError(clash)
+
+
+def interpreter_clash(triton_version: str, numpy_version: str) -> str | None:
+    """Why the Triton interpreter cannot run here, or None. Before Triton 3.7 the interpreter turns one-element
+    arrays into loop bounds with int(), which NumPy 2.4 made an error (it was deprecated since 1.25); the
+    compiled kernels are not affected."""
+
+    def major_minor(version: str) -> tuple[int, int]:
+        major, minor = re.findall(r"\d+", version)[:2]
+        return int(major), int(minor)
+
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+        return (
+            f"the Triton {triton_version} interpreter cannot run with NumPy {numpy_version}: "
+            "install triton>=3.7 or numpy<2.4 to run the Triton kernels on the CPU"
+        )
+    return None
 
 
 def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
