@@ -104,10 +104,11 @@ def _dot_fp32(dtype: torch.dtype) -> bool:
 # `python benchmarks/kernel_resources.py` (docs/BENCHMARKS.md) and kept only if it needs no register spills.
 # fp32 without TF32 (PRECISION "ieee") runs tl.dot on the FMA units, where each thread holds whole rows and
 # columns of its operands: the tensor-core tiles spilled there (`--every-tile`, triton 3.9: 44 of 162 builds, up to
-# 11 KB of stack per thread for the weight gradient), so that precision gets smaller tiles of its own.
+# 11 KB of stack per thread for the weight gradient), so that precision gets smaller tiles of its own. Its
+# (64, 32, 64) tile has 8 warps: with 4, Triton 3.8's grad_x build spilled (the other versions' did not).
 _MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     "mma": [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)],
-    "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 4, 4), (64, 32, 64, 4, 4), (32, 32, 32, 4, 4)],
+    "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 4, 4), (64, 32, 64, 8, 4), (32, 32, 32, 4, 4)],
 }
 _WEIGHT_GRAD_TILES = {  # BLOCK_P, BLOCK_K, BLOCK_N, warps, stages
     "mma": [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)],
