@@ -338,7 +338,7 @@ def test_interpreter_numpy_clash_is_a_clear_error(backend, monkeypatch):
     import triton
 
     backend("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors, also where SWITCHHEAD_TEST_DEVICE=cuda
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(numpy, "__version__", "2.4.0")
     _, (x, w, index, gate, _) = make(SHAPES[3])
