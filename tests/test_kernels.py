@@ -356,6 +356,39 @@ def test_bad_shapes_are_rejected():
         expert_projection(x, w.double(), index, gate, 2)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[6]], ids=str)
+@pytest.mark.parametrize("name", ["reference", "torch", "triton"])
+def test_no_tokens(shape, name, backend):
+    """N = 0 (e.g. an empty batch): empty output and input gradient, zero weight gradient, on every backend."""
+    backend(name)
+    empty = Shape(0, *[getattr(shape, f) for f in ("n_in", "slots", "n_out", "experts", "d_in", "d_out")])
+    _, cast = make(empty)
+    x, w, index, gate, grad = (t.to(DEVICE).requires_grad_(t.is_floating_point()) for t in cast)
+    out = expert_projection(x, w, index, gate, empty.n_out)
+    assert out.shape == (0, empty.n_out, empty.d_out) and out.dtype == x.dtype
+    gx, gw, gg = torch.autograd.grad(out, [x, w, gate], grad)
+    assert gx.shape == x.shape and gg.shape == gate.shape
+    assert gw.shape == w.shape and not gw.any()
+
+
+@pytest.mark.parametrize("n", [1, 20, 300])  # gather, dense and grouped regimes
+@pytest.mark.parametrize("bad", [-1, 8, 1000])
+def test_index_outside_the_experts_is_rejected(n, bad):
+    """On the CPU an index outside [0, E) is an error, not a wrap-around or another expert's rows."""
+    _, (x, w, index, gate, _) = make(Shape(n, 1, 6, 2, 8, 20, 12))
+    index[n // 2, 3] = bad
+    with pytest.raises(RuntimeError, match=rf"index values must lie in \[0, 8\).*{bad}"):
+        expert_projection(x, w, index, gate, 2)
+
+
+def test_index_dtypes(backend):
+    backend("torch")
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    torch.testing.assert_close(expert_projection(x, w, index.int(), gate, 2), expert_projection(x, w, index, gate, 2))
+    with pytest.raises(RuntimeError, match="index .* torch.float32"):
+        expert_projection(x, w, index.float(), gate, 2)
+
+
 def test_reference_is_the_naive_loop():
     # The reference path is the yardstick used elsewhere; check it separately, in float64 end to end.
     exact, _ = make(SHAPES[4])

@@ -4,14 +4,14 @@
 
     x      [N, I, D_in]      input rows (I rows per token)
     weight [E, D_in, D_out]  expert matrices
-    index  [N, S] int64      expert of each (token, slot) pair, values in [0, E)
+    index  [N, S] int64      expert of each (token, slot) pair, values in [0, E) (int32 also accepted)
     gate   [N, S] or None    multiplier of each pair (any float dtype; None = 1)
     out    [N, R, D_out]     R = n_out; dtype of x
 
     out[n, s // (S/R)] += gate[n, s] * x[n, s // (S/I)] @ weight[index[n, s]]
 
-I and R must divide S: slot s reads input row s // (S/I) and adds into output row s // (S/R). This covers every
-use in the model:
+N may be 0. I and R must divide S: slot s reads input row s // (S/I) and adds into output row s // (S/R). This
+covers every use in the model:
 
 - SwitchHead V (and K) projection: x [N, 1, d], S = H*k slots (head h owns slots h*k..h*k+k-1 and experts
   h*E..h*E+E-1), R = H: each head keeps its own value vector.
@@ -45,6 +45,7 @@ from switchhead.kernels import reference, torch_paths
 
 ENV_VAR = "SWITCHHEAD_KERNEL"
 BACKENDS = ("auto", "triton", "torch", "reference")
+INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 class KernelBackendError(SwitchheadError):
@@ -70,13 +71,23 @@ def _triton() -> ModuleType:
 
 
 def _check(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> None:
-    """Eager check on concrete shapes: one condition, one message (it runs on every call, also at batch-1 decode
-    where the whole op takes tens of microseconds)."""
+    """Eager check on concrete shapes and (CPU) index values: as few host operations as possible, since it runs
+    on every call, also at batch-1 decode where the whole op takes tens of microseconds."""
     ok = x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0
     ok = ok and weight.shape[1] == x.shape[2] and index.shape[0] == x.shape[0] and x.dtype == weight.dtype
     ok = ok and index.shape[1] % x.shape[1] == 0 and index.shape[1] % n_out == 0
-    ok = ok and (gate is None or gate.shape == index.shape)
+    ok = ok and (gate is None or gate.shape == index.shape) and index.dtype in INDEX_DTYPES
     torch._check(bool(ok), lambda: _shape_error(x, weight, index, gate, n_out))
+    if index.device.type == "cpu" and index.numel():
+        # An index outside [0, E) would otherwise be read as another expert's rows or wrap around, silently. On
+        # the CPU the check is one small reduction; on CUDA it would need a host sync per call, so there the
+        # index is trusted (the model's come from topk).
+        lo, hi = torch.aminmax(index)
+        lo, hi = lo.item(), hi.item()
+        torch._check(
+            lo >= 0 and hi < weight.shape[0],
+            lambda: f"expert_projection: index values must lie in [0, {weight.shape[0]}) (E); got {lo}..{hi}",
+        )
 
 
 def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> None:
@@ -84,7 +95,7 @@ def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
     every condition becomes a runtime assertion instead of a guard that would specialise the shape."""
     msg = lambda: _shape_error(x, weight, index, gate, n_out)  # noqa: E731
     torch._check(x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0, msg)
-    torch._check(x.dtype == weight.dtype, msg)
+    torch._check(x.dtype == weight.dtype and index.dtype in INDEX_DTYPES, msg)
     torch._check(weight.shape[1] == x.shape[2], msg)
     torch._check(index.shape[0] == x.shape[0], msg)
     torch._check(index.shape[1] % x.shape[1] == 0, msg)
@@ -97,9 +108,10 @@ def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
 def _shape_error(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> str:
     gate_shape = None if gate is None else tuple(gate.shape)
     return (
-        f"expert_projection: expected x [N, I, D_in], weight [E, D_in, D_out] of x's dtype, index [N, S] and "
-        f"gate [N, S] or None, with I and R=n_out dividing S; got x {tuple(x.shape)} {x.dtype}, weight "
-        f"{tuple(weight.shape)} {weight.dtype}, index {tuple(index.shape)}, gate {gate_shape}, n_out {n_out}"
+        f"expert_projection: expected x [N, I, D_in], weight [E, D_in, D_out] of x's dtype, index [N, S] int64 "
+        f"or int32 and gate [N, S] or None, with I and R=n_out dividing S; got x {tuple(x.shape)} {x.dtype}, "
+        f"weight {tuple(weight.shape)} {weight.dtype}, index {tuple(index.shape)} {index.dtype}, gate {gate_shape}, "
+        f"n_out {n_out}"
     )
 
 
@@ -108,6 +120,8 @@ def expert_projection(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
     """See the module docstring: [N, I, D_in] x [E, D_in, D_out] -> [N, n_out, D_out]."""
     _check(x, weight, index, gate, n_out)
     backend = backend_for(x)
+    if x.shape[0] == 0:  # no tokens: nothing to launch (and no per-backend corner case to get right)
+        return x.new_zeros(0, n_out, weight.shape[-1])
     if backend == "triton":
         return _triton().forward(x, weight, index, gate, n_out)
     if backend == "reference":
@@ -127,6 +141,10 @@ def expert_projection_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. x, weight and gate (the last is empty when not needed or gate is None)."""
     backend = backend_for(x)
+    if x.shape[0] == 0:
+        dtype = gate.dtype if gate is not None else x.dtype
+        grad_gate = x.new_empty(index.shape if gate is not None and need_gate_grad else (0,), dtype=dtype)
+        return torch.empty_like(x), torch.zeros_like(weight), grad_gate
     if backend == "triton":
         return _triton().backward(grad, x, weight, index, gate, need_gate_grad)
     if backend == "reference":
