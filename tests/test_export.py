@@ -6,6 +6,7 @@ architecture variants use one-layer versions of the tiny presets.
 """
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -308,3 +309,54 @@ def test_refuses_to_overwrite_unrelated_directory(model, tmp_path):
     with pytest.raises(ExportError, match="refusing to overwrite"):
         export(None, tmp_path / "precious", model=model)
     assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
+def _edit_json(path: Path, **changes) -> None:
+    d = json.loads(path.read_text())
+    d.update(changes)
+    path.write_text(json.dumps(d))
+
+
+DAMAGE = {
+    "no config": (lambda d: (d / "config.json").unlink(), "config.json is missing"),
+    "config not JSON": (lambda d: (d / "config.json").write_text("{bad"), "config.json is not readable JSON"),
+    "config of another model": (lambda d: _edit_json(d / "config.json", n_layers=3),
+                                "model.onnx has no input past_key_values.2.key"),
+    "config with another vocabulary": (lambda d: _edit_json(d / "config.json", vocab_size=700),
+                                       "output logits has shape"),
+    "unknown config key": (lambda d: _edit_json(d / "config.json", colour="red"), "unknown config key"),
+    "layout not JSON": (lambda d: (d / "layout.json").write_text("{bad"), "layout.json is not readable JSON"),
+    "layout a list": (lambda d: (d / "layout.json").write_text("[]"), "layout.json is not a JSON object"),
+    "layout claims fp16": (lambda d: _edit_json(d / "layout.json", dtype="fp16"), r"is tensor\(float\), expected"),
+    "another tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(
+        word_tokenizer(WORDS, vocab_size=280).serialized_model_proto()), "pieces but the model has vocab_size"),
+    "corrupt tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(b"\x00garbage"), "tokenizer.model is corrupt"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=str)
+def test_damaged_export_directory_is_one_clear_error(exported, tmp_path, damage):
+    """generate --onnx (and eval --onnx, through the same loader) on an export whose files do not belong
+    together: one line and exit 2 when loading, not an ONNX Runtime error mid-generation."""
+    import shutil
+
+    d = tmp_path / "damaged"
+    shutil.copytree(exported, d)
+    damage_fn, message = DAMAGE[damage]
+    damage_fn(d)
+    with pytest.raises(switchhead.SwitchheadError, match=message):
+        load_backend(d)
+    r = CliRunner().invoke(main, ["generate", "--onnx", str(d), "--max-new-tokens", "2", "a river"])
+    assert r.exit_code == 2 and re.search(message, r.output) and r.output.count("\n") == 1, r.output
+
+
+def test_export_refuses_targets_it_could_not_rename_into_place(model, tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(switchhead.SwitchheadError, match="afile is not a directory"):
+        export(None, tmp_path / "afile" / "sub" / "out", model=model)
+    assert (tmp_path / "afile").read_text() == "x"
+    first = export(None, tmp_path / "exp", model=model).out
+    monkeypatch.chdir(first)
+    with pytest.raises(switchhead.SwitchheadError, match="current directory"):
+        export(None, ".", model=model)
+    assert (first / "model.onnx").is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -17,12 +17,13 @@ from torch import Tensor
 
 from switchhead.errors import SwitchheadError
 from switchhead.export import schema
-from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE
+from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE, layout
 from switchhead.model.config import ModelConfig
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
 
 PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)", "bool": "tensor(bool)"}
 
 
 def _session(path: Path, providers: list[str] | None, threads: int | None):
@@ -56,13 +57,23 @@ class OnnxBackend(Backend):
         path = Path(path)
         if not (path / LAYOUT_FILE).is_file() or not (path / MODEL_FILE).is_file():
             raise SwitchheadError(f"{path} is not a switchhead ONNX export (needs {MODEL_FILE} and {LAYOUT_FILE})")
-        self.layout = json.loads((path / LAYOUT_FILE).read_text())
+        self.layout = _json_object(path / LAYOUT_FILE)
         if self.layout.get("format") != FORMAT:
             raise SwitchheadError(f"{path}: unsupported export format {self.layout.get('format')!r}, "
                                   f"expected {FORMAT!r}")
-        self.config = ModelConfig.from_json((path / CONFIG_FILE).read_text())
+        if not (path / CONFIG_FILE).is_file():
+            raise SwitchheadError(f"{path} is not a complete switchhead ONNX export: {CONFIG_FILE} is missing")
+        config = _json_object(path / CONFIG_FILE)
+        try:
+            self.config = ModelConfig.from_dict(config)
+        except SwitchheadError as e:
+            raise SwitchheadError(f"{path / CONFIG_FILE}: {e}") from None
         schema.register_schema()
         self.session = _session(path / MODEL_FILE, providers, threads)
+        want = layout(self.config, self.layout.get("dtype"), self.layout.get("quantize"))
+        if mismatch := _interface_mismatch(self.session, want):
+            raise SwitchheadError(f"{path}: {MODEL_FILE} {mismatch}, so {CONFIG_FILE} and {LAYOUT_FILE} do not "
+                                  f"belong to it")
         self.providers = self.session.get_providers()
         self.device = torch.device("cpu")
         self.dtype = torch.float16 if self.layout.get("dtype") == "fp16" else torch.float32
@@ -70,7 +81,14 @@ class OnnxBackend(Backend):
         if (path / TOKENIZER_FILE).is_file():
             import sentencepiece as spm
 
-            self.tokenizer = spm.SentencePieceProcessor(model_file=str(path / TOKENIZER_FILE))
+            self.tokenizer = spm.SentencePieceProcessor()
+            try:
+                self.tokenizer.LoadFromSerializedProto((path / TOKENIZER_FILE).read_bytes())
+            except Exception as e:  # sentencepiece raises a bare RuntimeError/OSError on bad protos
+                raise SwitchheadError(f"{path / TOKENIZER_FILE} is corrupt: {e}") from None
+            if self.tokenizer.get_piece_size() != self.config.vocab_size:
+                raise SwitchheadError(f"{path / TOKENIZER_FILE} has {self.tokenizer.get_piece_size()} pieces but "
+                                      f"the model has vocab_size {self.config.vocab_size}")
         n = self.config.n_layers
         self._past = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(n)]
         self._outputs = ["logits"] + [f"present.{i}.{kind}" for i in range(n) for kind in ("key", "value")]
@@ -99,6 +117,37 @@ class OnnxBackend(Backend):
         for i in range(self.config.n_layers):
             cache.write(i, torch.from_numpy(out[1 + 2 * i]), torch.from_numpy(out[2 + 2 * i]))
         return torch.from_numpy(out[0])
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SwitchheadError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise SwitchheadError(f"{path} is not a JSON object")
+    return d
+
+
+def _interface_mismatch(session, want: dict) -> str | None:
+    """How the graph's inputs and outputs differ from those config.json and layout.json describe (None: they
+    agree). The backend feeds and reads the graph by those files, so a graph from another model would fail
+    mid-generation, or run with the wrong memory layout."""
+    for kind, have, specs in (("input", session.get_inputs(), want["inputs"]),
+                              ("output", session.get_outputs(), want["outputs"])):
+        have = {io.name: io for io in have}
+        if extra := sorted(set(have) - {spec["name"] for spec in specs}):
+            return f"has the unexpected {kind} {extra[0]}"
+        for spec in specs:
+            io, dtype = have.get(spec["name"]), ORT_TYPES[spec["dtype"]]
+            if io is None:
+                return f"has no {kind} {spec['name']}"
+            if io.type != dtype:
+                return f"{kind} {spec['name']} is {io.type}, expected {dtype}"
+            if len(io.shape) != len(spec["shape"]) or any(
+                    isinstance(w, int) and g != w for w, g in zip(spec["shape"], io.shape)):
+                return f"{kind} {spec['name']} has shape {io.shape}, expected {spec['shape']}"
+    return None
 
 
 def _np(t: Tensor) -> np.ndarray:

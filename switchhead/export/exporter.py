@@ -363,7 +363,7 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
 
     Either `ckpt` (a checkpoint directory) or `model` (with an optional SentencePiece `tokenizer`) is given.
     """
-    from switchhead.model.checkpoint import atomic_directory, resolve_checkpoint
+    from switchhead.model.checkpoint import atomic_directory, check_replaceable, resolve_checkpoint
 
     check_options(dtype, quantize, opset)
     builtin = model is None and not ckpt
@@ -386,6 +386,7 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     out = Path(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / LAYOUT_FILE).is_file())):
         raise ExportError(f"refusing to overwrite {out}: it exists and is not a switchhead ONNX export")
+    check_replaceable(out)  # before tracing, which takes a while
     from tqdm import tqdm
 
     # Export takes from seconds (tiny) to minutes (large models): show which stage it is in.

@@ -40,6 +40,20 @@ def is_checkpoint(path: str | Path) -> bool:
     return (p / CONFIG).is_file() and (p / WEIGHTS).is_file()
 
 
+def check_replaceable(path: str | Path) -> None:
+    """Fail early, before any slow work, where `atomic_directory(path)` would fail at its end: a path under a
+    file, or the current directory (or one above it), which cannot be renamed away."""
+    path = Path(os.path.abspath(path))
+    cwd = Path.cwd()
+    if path == cwd or path in cwd.parents:
+        raise CheckpointError(f"cannot replace {path}: it is the current directory or contains it; choose another")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(f"cannot write {path}: {parent} is not a directory")
+            break
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]:
     """Yield a fresh temporary directory next to `path`; on success it replaces `path` by rename.
@@ -50,6 +64,7 @@ def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]
     path = Path(path)
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path} already exists")
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
