@@ -389,3 +389,112 @@ def test_cli_reports_a_broken_data_file_in_one_line(env, tmp_path):
     (tmp_path / data.LAMBADA_FILE).write_text('{"text": "a b"}\nnot json\n')
     r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(tmp_path), "--no-progress")
     assert r.exit_code == 2 and "lambada_test.jsonl:2: not valid JSON" in r.output, r.output
+
+
+def cbt_example(answer: str = "man", candidates: str = "birds|food|maiden|man|middle|place|sight|south|wash|wings"):
+    lines = [f"{i} Line {i} ." for i in range(1, 21)]
+    return "\n".join(lines + [f"21 the young XXXXX sat .\t{answer}\t\t{candidates}"]) + "\n\n"
+
+
+@pytest.mark.parametrize("text", ["Hello", "", " ", "two words ", " word"])
+def test_lambada_passage_needs_a_context_and_a_final_word(tmp_path, text):
+    # no space: lm-eval's split crashed; an empty last word was an empty target that always counted as correct
+    (tmp_path / "lambada").mkdir()
+    (tmp_path / data.LAMBADA_FILE).write_text(json.dumps({"text": "a b c"}) + "\n" + json.dumps({"text": text}))
+    with pytest.raises(SwitchheadError, match=r"lambada_test.jsonl:2: a LAMBADA passage needs a context and a "
+                                              r"final word"):
+        data.load_lambada(data_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("good, bad", [("", "tom saw the dog ."), ("tom saw the dog .", " \t")])
+def test_blimp_sentences_must_not_be_empty(tmp_path, good, bad):
+    (tmp_path / "blimp").mkdir()
+    (tmp_path / data.blimp_file("wh_island")).write_text(
+        json.dumps({"sentence_good": "a b", "sentence_bad": "b a"}) + "\n"
+        + json.dumps({"sentence_good": good, "sentence_bad": bad}) + "\n")
+    with pytest.raises(SwitchheadError, match=r"wh_island.jsonl:2: a BLiMP pair needs two non-empty sentences"):
+        data.load_blimp("wh_island", data_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("answer, candidates", [
+    ("man", "birds|food||man|middle|place|sight|south|wash|wings"),
+    ("", "birds|food||man|middle|place|sight|south|wash|wings"),
+    (" ", "birds|food| |man|middle|place|sight|south|wash|wings"),
+])
+def test_cbt_answer_and_candidates_must_not_be_empty(tmp_path, answer, candidates):
+    path = tmp_path / "cbt.txt"
+    path.write_text(cbt_example() + cbt_example(answer, candidates))
+    with pytest.raises(SwitchheadError, match=r"cbt.txt:43: empty answer or candidate"):
+        data.parse_cbt(path)
+
+
+@pytest.mark.parametrize("task", ["lambada", "blimp", "cbt"])
+def test_data_file_that_is_not_utf8_is_a_clear_error(tmp_path, task):
+    good = {"lambada": '{"text": "a b"}\n', "blimp": '{"sentence_good": "a b", "sentence_bad": "b a"}\n',
+            "cbt": cbt_example()}[task]
+    rel = data.required_files(task)[0]
+    (tmp_path / rel).parent.mkdir()
+    (tmp_path / rel).write_bytes(good.encode() + b"caf\xe9 \xff\n")
+    load = {"lambada": lambda: data.load_lambada(data_dir=str(tmp_path)),
+            "blimp": lambda: data.load_blimp(data.BLIMP_PARADIGMS[0], data_dir=str(tmp_path)),
+            "cbt": lambda: data.load_cbt(data.CBT_SETS[0], data_dir=str(tmp_path))}[task]
+    line = good.count("\n") + 1
+    with pytest.raises(SwitchheadError, match=rf"cannot read .*{rel.split('/')[1]}: not valid UTF-8 \(line {line}:"):
+        load()
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading the model (or evaluating) fails the test: the errors below must come before either."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr("switchhead.evals.lm.SwitchheadLM", refuse)
+
+
+@pytest.mark.parametrize("rel, content, message", [
+    (data.LAMBADA_FILE, b'{"text": "a b"}\n{"text": "Hello"}\n', "lambada_test.jsonl:2: a LAMBADA passage needs"),
+    (data.blimp_file("wh_island"), b'{"sentence_good": "", "sentence_bad": "x"}\n',
+     "wh_island.jsonl:1: a BLiMP pair needs two non-empty sentences"),
+    (data.cbt_file("P"), b"1 caf\xe9\n", "cbtest_P_test_2500ex.txt: not valid UTF-8 (line 1:"),
+])
+def test_cli_reports_bad_data_in_one_line_before_loading_the_model(env, tmp_path, no_model, rel, content, message):
+    ckpt, d, _, _ = env
+    for task in ("lambada", "blimp", "cbt"):
+        for f in data.required_files(task):
+            (tmp_path / f).parent.mkdir(exist_ok=True)
+            (tmp_path / f).write_bytes((d / f).read_bytes())
+    (tmp_path / rel).write_bytes(content)
+    r = run_cli("--tasks", "lambada,blimp,cbt", "--ckpt", str(ckpt), "--data-dir", str(tmp_path), "--no-progress")
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("Error:"), r.output
+
+
+@pytest.mark.parametrize("output", ["afile/r.json", "afile/sub/r.json"])
+def test_cli_output_under_a_file_fails_before_evaluating(env, tmp_path, no_model, output):
+    ckpt, d, _, _ = env
+    (tmp_path / "afile").write_text("")
+    r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(d), "--no-progress",
+                "--output", str(tmp_path / output))
+    assert r.exit_code == 2 and "afile is not a directory" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("Error:"), r.output
+
+
+def test_results_are_written_atomically(tmp_path, monkeypatch):
+    from switchhead.evals import run
+
+    out = tmp_path / "r.json"
+    out.write_text("old results")
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(run.os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        run.write_text_atomic(out, "new results")
+    assert out.read_text() == "old results" and sorted(tmp_path.iterdir()) == [out]
+    monkeypatch.undo()
+    run.write_text_atomic(tmp_path / "new" / "r.json", "x")
+    run.write_text_atomic(out, "new results")
+    assert out.read_text() == "new results" and (tmp_path / "new" / "r.json").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "r.json"]

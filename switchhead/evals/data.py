@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -91,6 +92,16 @@ def check_data_dir(data_dir: str | Path, tasks: list[str]) -> Path:
     return root
 
 
+def check_data_files(data_dir: str | Path, tasks: list[str]) -> None:
+    """Read every file that `tasks` will read, with the loaders' parsers, so that a malformed line is reported
+    before the model is loaded rather than after (about half a second for all of BLiMP)."""
+    root = Path(data_dir)
+    readers = {"lambada": read_lambada, "blimp": read_blimp, "cbt": parse_cbt}
+    for task in tasks:
+        for f in required_files(task):
+            readers[task](root / f)
+
+
 def use_local_data() -> None:
     """Keep `datasets` / `huggingface_hub` from touching the network (they read these at import time)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -117,25 +128,83 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 # --- parsers of the original files ------------------------------------------------------------------------
 
-def read_jsonl(path: str | Path, fields: tuple[str, ...]) -> list[dict]:
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 text file (newline characters dropped; a leading byte-order mark ignored).
+
+    A missing, unreadable or non-UTF-8 file is a `SwitchheadError` naming the file (and, for bad bytes, the
+    line), not a traceback from the decoder."""
     path = Path(path)
     if not path.is_file():
         raise SwitchheadError(f"data file not found: {path}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SwitchheadError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise SwitchheadError(f"cannot read {path}: not valid UTF-8 (line {line}: byte 0x{raw[e.start]:02x}); "
+                              f"eval data files must be UTF-8") from None
+    # the newlines open() would recognise (not str.splitlines's, which also splits at U+2028 and others)
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return lines[:-1] if lines and not lines[-1] else lines
+
+
+def read_jsonl(path: str | Path, fields: tuple[str, ...],
+               check: Callable[[dict], str | None] | None = None) -> list[dict]:
+    """The JSON objects of a JSON Lines file, reduced to `fields` (all strings). `check(row)` returns what is
+    wrong with a row (a phrase for the error message), or None."""
+    path = Path(path)
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SwitchheadError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in fields):
-                raise SwitchheadError(f"{path}:{n}: expected a JSON object with string field(s) {', '.join(fields)}")
-            rows.append({k: row[k] for k in fields})
+    for n, line in enumerate(read_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SwitchheadError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in fields):
+            raise SwitchheadError(f"{path}:{n}: expected a JSON object with string field(s) {', '.join(fields)}")
+        row = {k: row[k] for k in fields}
+        problem = check(row) if check is not None else None
+        if problem:
+            raise SwitchheadError(f"{path}:{n}: {problem}")
+        rows.append(row)
     if not rows:
         raise SwitchheadError(f"{path}: no examples")
     return rows
+
+
+def lambada_problem(row: dict) -> str | None:
+    """lm-eval splits a LAMBADA passage at its last space into context and target word: both must be there
+    (without a space the prompt function fails; with an empty last word the target is empty and always
+    "predicted")."""
+    context, space, word = row["text"].rpartition(" ")
+    if not space or not context.strip() or not word.strip():
+        return (f"a LAMBADA passage needs a context and a final word separated by a space, got "
+                f"{_clip(row['text'])!r}")
+    return None
+
+
+def blimp_problem(row: dict) -> str | None:
+    empty = [k for k in ("sentence_good", "sentence_bad") if not row[k].strip()]
+    if empty:
+        verb = "is" if len(empty) == 1 else "are"
+        return f"a BLiMP pair needs two non-empty sentences, {' and '.join(empty)} {verb} empty"
+    return None
+
+
+def _clip(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def read_lambada(path: str | Path) -> list[dict]:
+    return read_jsonl(path, ("text",), lambada_problem)
+
+
+def read_blimp(path: str | Path) -> list[dict]:
+    return read_jsonl(path, ("sentence_good", "sentence_bad"), blimp_problem)
 
 
 def parse_cbt(path: str | Path) -> list[dict]:
@@ -144,8 +213,7 @@ def parse_cbt(path: str | Path) -> list[dict]:
     Each example is 20 numbered context lines and a 21st line ``question<TAB>answer<TAB><TAB>c1|...|c10``,
     examples separated by a blank line; the line numbers are dropped."""
     path = Path(path)
-    if not path.is_file():
-        raise SwitchheadError(f"data file not found: {path}")
+    file_lines = read_lines(path)
     examples: list[dict] = []
     block: list[tuple[int, str]] = []
 
@@ -166,19 +234,20 @@ def parse_cbt(path: str | Path) -> list[dict]:
             raise SwitchheadError(f"{path}:{block[-1][0]}: expected 'question<TAB>answer<TAB><TAB>candidates'")
         question, answer, _, cands = parts
         options = cands.split("|")
+        if not answer.strip() or any(not c.strip() for c in options):
+            raise SwitchheadError(f"{path}:{block[-1][0]}: empty answer or candidate (candidates are separated "
+                                  f"by single '|')")
         if len(options) != CBT_CANDIDATES or answer not in options or CBT_BLANK not in question:
             raise SwitchheadError(f"{path}:{block[-1][0]}: expected {CBT_CANDIDATES} candidates containing the "
                                   f"answer and a question with the blank {CBT_BLANK}")
         examples.append({"sentences": lines[:20], "question": question, "answer": answer, "options": options})
         block.clear()
 
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if line.strip():
-                block.append((n, line))
-            else:
-                finish()
+    for n, line in enumerate(file_lines, 1):
+        if line.strip():
+            block.append((n, line))
+        else:
+            finish()
     finish()
     if not examples:
         raise SwitchheadError(f"{path}: no CBT examples")
@@ -210,13 +279,13 @@ def _hub(task: str, name: str | None, what: str):
 def load_lambada(data_dir: str | None = None, **_):
     if not data_dir:
         return _hub("lambada", None, "lambada")
-    return _dataset("test", read_jsonl(Path(data_dir) / LAMBADA_FILE, ("text",)))
+    return _dataset("test", read_lambada(Path(data_dir) / LAMBADA_FILE))
 
 
 def load_blimp(paradigm: str, data_dir: str | None = None, **_):
     if not data_dir:
         return _hub("blimp", paradigm, f"blimp {paradigm}")
-    return _dataset("train", read_jsonl(Path(data_dir) / blimp_file(paradigm), ("sentence_good", "sentence_bad")))
+    return _dataset("train", read_blimp(Path(data_dir) / blimp_file(paradigm)))
 
 
 def load_cbt(subset: str, data_dir: str | None = None, **_):
