@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
 
@@ -347,8 +348,10 @@ def _describe(cfg) -> str:
 
 
 def render(cfg, pieces: list[str], chunks: list[ChunkTrace], heads: list[int], out: Path,
-           window: int = DEFAULT_WINDOW) -> tuple[Path, list[Path]]:
-    """Write every figure and index.html into `out`; returns (index path, figure paths)."""
+           window: int = DEFAULT_WINDOW, progress: bool = False) -> tuple[Path, list[Path]]:
+    """Write every figure and index.html into `out`; returns (index path, figure paths).
+
+    Drawing the figures (hundreds for a long text) takes most of the time, hence the progress bar."""
     esc = html.escape
     labels = [piece_label(p) for p in pieces]
     layers = sorted(chunks[0].layers)
@@ -356,9 +359,13 @@ def render(cfg, pieces: list[str], chunks: list[ChunkTrace], heads: list[int], o
     head_word = "slot" if moa else "head"
     figures: list[Path] = []
     body: list[str] = []
+    total = (len(layers) if cfg.attention != "dense" else 0) + sum(
+        len(windows(ch, window)) for ch in chunks) * len(layers) * (1 + len(heads))
+    bar = tqdm(total=total, desc="inspect", unit="fig", disable=not progress)
 
     def img(name: str, alt: str) -> str:
         figures.append(out / name)
+        bar.update()
         return f'<a href="{esc(name)}"><img src="{esc(name)}" alt="{esc(alt)}"></a>'
 
     body.append("<h2>Expert usage over the whole text</h2>")
@@ -434,6 +441,7 @@ rows' attention mass falls on the columns shown. Rows are queries, columns keys;
 {chr(10).join(body)}
 </body></html>
 """
+    bar.close()
     index = out / INDEX_NAME
     index.write_text(page, encoding="utf-8")
     return index, figures
@@ -471,7 +479,7 @@ def prepare_out(out: str | Path) -> Path:
 
 def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[int] | None = None,
                  heads: Sequence[int] | None = None, write_json: bool = False,
-                 window: int = DEFAULT_WINDOW) -> InspectResult:
+                 window: int = DEFAULT_WINDOW, progress: bool = False) -> InspectResult:
     """Collect, draw and (optionally) dump the attention of `model` on `text` into directory `out`."""
     cfg = model.config
     if tokenizer is None:
@@ -486,7 +494,7 @@ def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[
     ids = tokenizer.encode(text)
     pieces = [tokenizer.id_to_piece(i) for i in ids]
     chunks = collect(model, ids, layers)
-    index, figures = render(cfg, pieces, chunks, heads, out, window)
+    index, figures = render(cfg, pieces, chunks, heads, out, window, progress)
     json_path = None
     if write_json:
         json_path = out / JSON_NAME
@@ -496,11 +504,11 @@ def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[
 
 def run_inspect(ckpt: str | Path | None, text: str | None, text_file: str | Path | None, out: str | Path,
                 layers: str | None = None, heads: str | None = None, write_json: bool = False,
-                window: int = DEFAULT_WINDOW) -> InspectResult:
+                window: int = DEFAULT_WINDOW, progress: bool = False) -> InspectResult:
     """The `switchhead inspect` command: everything but printing (index lists are "0,2" strings)."""
     text = read_text(text, text_file)
     layer_list, head_list = parse_indices(layers, "layers"), parse_indices(heads, "heads")
     if Path(out).exists() and not Path(out).is_dir():  # fail before the (slow) model load
         raise SwitchheadError(f"output path {out} exists and is not a directory")
     model, tokenizer = _load_model(ckpt)
-    return inspect_text(model, tokenizer, text, out, layer_list, head_list, write_json, window)
+    return inspect_text(model, tokenizer, text, out, layer_list, head_list, write_json, window, progress)

@@ -261,14 +261,15 @@ def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, thread
 @click.option("--window", type=int, default=64, show_default=True,
               help="Query tokens per figure (and twice as many key columns), to keep labels readable.")
 @click.option("--json", "as_json", is_flag=True, help="Also write the raw numbers to OUT/attention.json.")
-def inspect(ckpt, text, text_file, out, layers, heads, window, as_json):
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def inspect(ckpt, text, text_file, out, layers, heads, window, as_json, no_progress):
     """Attention maps and expert selections of a model on a text (the paper's analysis figures).
 
     Writes per layer the max-over-heads map, per head the map with its O (queries) and V (keys)
     selection-score strips, per layer an expert-usage histogram, and OUT/index.html showing them all."""
     from switchhead.analysis import run_inspect
 
-    r = run_inspect(ckpt, text, text_file, out, layers, heads, as_json, window)
+    r = run_inspect(ckpt, text, text_file, out, layers, heads, as_json, window, progress=not no_progress)
     click.echo(f"{r.n_tokens} tokens in {r.n_chunks} chunk(s), layers {r.layers}, heads {r.heads}: "
                f"{len(r.figures)} figures (at most {r.window} query tokens each)")
     if r.json_path is not None:

@@ -202,6 +202,7 @@ def test_command_writes_figures_index_and_json(ckpt, tmp_path):
     assert n_chunks >= 2, "the text must span several chunks to exercise the memory columns"
     # One usage histogram, then per chunk (one window each at the default window) the max map and head 0.
     assert len(pngs) == 1 + 2 * n_chunks
+    assert "inspect: 100%" in r.stderr and f"{len(pngs)}/{len(pngs)}" in r.stderr  # the progress bar's count
     for png in pngs:
         blob = png.read_bytes()
         assert blob[:8] == PNG_MAGIC and len(blob) > 2000, png.name
