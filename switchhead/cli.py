@@ -48,9 +48,11 @@ def info(config_spec, ckpt, as_json):
     from switchhead.model.checkpoint import load_config
     from switchhead.model.config import PRESETS, resolve_config
 
-    if config_spec and ckpt:
+    if config_spec is not None and ckpt is not None:
         raise SwitchheadError("give --config or --ckpt, not both")
-    if not config_spec and not ckpt:
+    if config_spec == "" or ckpt == "":
+        raise SwitchheadError("--config and --ckpt need a value (without either, info prints every preset)")
+    if config_spec is None and ckpt is None:
         rows = [summary(c) for c in PRESETS.values()]
         if as_json:
             click.echo(json.dumps(rows, indent=2))
@@ -188,7 +190,8 @@ def train(ctx, **params):
               help="Drop tokens below min-p times the top probability, in [0, 1].")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
 @click.option("--seed", type=int, help="Same seed, same text (default: random).")
-@click.option("--stop", multiple=True, help="Stop before this string (repeatable).")
+@click.option("--stop", multiple=True,
+              help="Stop before this string (repeatable; taken literally: in bash, $'\\n' is a newline).")
 @click.option("--prompts-file", type=click.Path(), help="Text lines or JSONL with a \"prompt\" field; "
               "writes JSONL.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts decoded together.")
@@ -279,7 +282,7 @@ def inspect(ckpt, text, text_file, out, layers, heads, window, as_json, no_progr
 
 @main.command("export")
 @click.option("--onnx", "to_onnx", is_flag=True, help="Export to ONNX (the only target so far).")
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (required until a default model exists).")
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (default: the built-in model).")
 @click.option("--out", type=click.Path(), help="Output directory (default: CKPT-onnx next to the checkpoint).")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 is supported).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 or fp16 weights and activations.")

@@ -140,7 +140,8 @@ def test_info_cli():
 
 def test_info_cli_errors_are_one_line_exit_2(tmp_path):
     for args in (["info", "--config", "nope"], ["info", "--ckpt", str(tmp_path / "missing")],
-                 ["info", "--config", "tiny-moa", "--ckpt", str(tmp_path)]):
+                 ["info", "--config", "tiny-moa", "--ckpt", str(tmp_path)], ["info", "--config", ""],
+                 ["info", "--ckpt", ""]):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 2, r.output
         assert r.output.strip().startswith("Error:") and len(r.output.strip().splitlines()) == 1

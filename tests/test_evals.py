@@ -353,6 +353,7 @@ def test_cli_runs_and_writes_results(env, tmp_path):
     (["--tasks", "lambada", "--onnx", "EMPTY", "--data-dir", "DATA"], "ONNX"),
     (["--tasks", "lambada", "--ckpt", "CKPT", "--data-dir", "DATA", "--limit", "0"], "--limit"),
     (["--tasks", "lambada", "--ckpt", "CKPT", "--data-dir", "DATA", "--batch-size", "-1"], "batch size"),
+    (["--tasks", "lambada", "--ckpt", "CKPT", "--data-dir", "DATA", "--device", "bogus"], "unknown device 'bogus'"),
 ])
 def test_cli_errors(env, tmp_path, args, message):
     ckpt, d, _, _ = env

@@ -42,7 +42,9 @@ def _device(device: str | None) -> str:
     # lm-eval's CLI passes device="cuda" by default; like its HF model, fall back to the CPU without one.
     if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
         return "cpu"
-    return str(device)
+    from switchhead.runtime.commands import resolve_device
+
+    return str(resolve_device(device))  # an unknown name is a one-line error here, not a "corrupt checkpoint"
 
 
 @register_model("switchhead")
