@@ -154,6 +154,24 @@ def test_empty_prompt_is_a_user_error(gen):
             gen.generate([bad], SamplingParams())
 
 
+def test_prompt_that_is_not_utf8_is_a_user_error(gen):
+    # Undecodable command-line or stdin bytes arrive as lone surrogates (surrogateescape), as does JSON's "\ud800".
+    for bad, where in [("Hello \udcff\udcfe world", "byte 0xFF at character 6"),
+                       ("Hello \ud800 there", "lone surrogate U+D800 at character 6")]:
+        with pytest.raises(SwitchheadError, match="prompt is not valid UTF-8") as e:
+            gen.generate([bad], SamplingParams(max_new_tokens=2))
+        assert f"({where})" in str(e.value)
+
+
+def test_seeds_cover_the_generator_range(gen):
+    p = SamplingParams(temperature=1.0, max_new_tokens=4)
+    (r,) = gen.generate(["birds"], p, seeds=[2**64 - 1])
+    assert r.seed == 2**64 - 1 and len(r.tokens) == 4
+    for bad in [2**64, -1]:
+        with pytest.raises(SwitchheadError, match="seed"):
+            gen.generate(["birds"], p, seeds=[bad])
+
+
 # --- CLI ---------------------------------------------------------------------------------------------------
 
 def _run(args, input=None):
@@ -193,6 +211,17 @@ def test_cli_prompts_file_matches_single_runs(ckpt, tmp_path, jsonl):
         assert single["text"] == row["text"]
 
 
+def test_cli_prompts_file_seeds_wrap_at_2_64(ckpt, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("the fox\nbirds\n")
+    args = ["--ckpt", ckpt, "--max-new-tokens", "6", "--temperature", "0.8"]
+    r = _run(["--prompts-file", str(f), "--seed", str(2**64 - 1), *args])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["seed"] for row in rows] == [2**64 - 1, 0]  # seed + 1, modulo 2**64
+    assert rows[1]["text"] == json.loads(_run(["birds", "--json", "--seed", "0", *args]).stdout)["text"]
+
+
 def _bad_ckpts(tmp_path, model):
     missing = tmp_path / "missing"
     corrupt = tmp_path / "corrupt"
@@ -213,6 +242,9 @@ def _bad_ckpts(tmp_path, model):
     (["hi", "--ckpt", "CKPT", "--repetition-penalty", "0"], "repetition-penalty"),
     (["hi", "--ckpt", "CKPT", "--max-new-tokens", "0"], "max-new-tokens"),
     (["hi", "--ckpt", "CKPT", "--prompts-file", "nonexistent.txt"], "prompts"),
+    (["hi", "--ckpt", "CKPT", "--seed", str(2**64)], "seed"),
+    (["caf\udce9", "--ckpt", "CKPT"], "prompt is not valid UTF-8 (byte 0xE9 at character 3)"),
+    (["hi", "--ckpt", "CKPT", "--stop", "\udcff"], "stop string 0 is not valid UTF-8"),
     (["hi", "--ckpt", "BAD:not found"], "not found"),
     (["hi", "--ckpt", "BAD:corrupt"], "corrupt"),
     (["hi", "--ckpt", "BAD:no tokenizer"], "tokenizer"),
@@ -225,3 +257,10 @@ def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, model, args, message):
     assert "Traceback" not in r.output
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("Error:") and message in err[0], r.stderr
+
+
+def test_cli_stdin_that_is_not_utf8_is_one_line_exit_2(ckpt):
+    r = _run(["--ckpt", ckpt], input=b"caf\xe9\n")  # the test runner's stdin decodes strictly
+    assert r.exit_code == 2, r.output
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("Error: the prompt on stdin is not valid UTF-8"), r.stderr

@@ -14,6 +14,7 @@ from switchhead.runtime.sampling import (
     min_p_filter,
     processed_logits,
     repetition_penalty,
+    seed_plus,
     top_k_filter,
     top_p_filter,
 )
@@ -160,3 +161,23 @@ def test_bad_parameters_are_user_errors(field, value):
 def test_empty_stop_string_rejected():
     with pytest.raises(SwitchheadError, match="stop"):
         SamplingParams(stop=("",))
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**70, 1.5])
+def test_seed_out_of_range_is_a_user_error(seed):
+    with pytest.raises(SwitchheadError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+def test_every_valid_seed_seeds_a_generator():
+    for seed in [0, 2**63, 2**64 - 1]:
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+    assert seed_plus(2**64 - 1, 1) == 0 and seed_plus(2**64 - 2, 1) == 2**64 - 1 and seed_plus(5, 3) == 8
+
+
+def test_stop_string_that_is_not_utf8_is_a_user_error():
+    # Lone surrogates: what undecodable command-line bytes (surrogateescape) or a JSON "\ud800" become.
+    for stop, what in [("ok\udcff", "byte 0xFF at character 2"), ("\ud800", "lone surrogate U+D800 at character 0")]:
+        with pytest.raises(SwitchheadError, match="stop string 1 is not valid UTF-8") as e:
+            SamplingParams(stop=("fine", stop))
+        assert f"({what})" in str(e.value)

@@ -2,6 +2,7 @@
 by raw HTTP; served text is compared with `Generator.generate` run on a separately loaded copy of the model."""
 
 import json
+import queue
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from switchhead.runtime import SamplingParams
 from switchhead.runtime.commands import load_generator
 from switchhead.serve.app import ServeConfig, create_app
 from switchhead.serve.protocol import Limits
+from switchhead.serve.scheduler import Failed, Finished, Job, Scheduler
 
 MODEL = "tiny"
 
@@ -190,6 +192,14 @@ def test_n_samples_differ(client, ref):
     assert r.choices[1].text == solo(ref, "dogs", max_new_tokens=10, temperature=1.0, seed=10).text
 
 
+def test_n_samples_seeds_wrap_at_2_64(url, ref):
+    body = {"model": MODEL, "prompt": "dogs", "max_tokens": 6, "temperature": 1.0, "seed": 2**64 - 1, "n": 2}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    want = [solo(ref, "dogs", max_new_tokens=6, temperature=1.0, seed=seed).text for seed in (2**64 - 1, 0)]
+    assert [c["text"] for c in r.json()["choices"]] == want  # sample j uses seed + j, modulo 2**64
+
+
 # --- batching --------------------------------------------------------------------------------------------------
 
 def test_concurrent_requests_equal_their_solo_results(url, client, ref):
@@ -211,6 +221,35 @@ def test_concurrent_requests_equal_their_solo_results(url, client, ref):
     # Batched: far fewer steps than the 91 tokens + prompt chunks that one-at-a-time decoding would need.
     assert steps < 91
     wait_idle(url)
+
+
+def test_a_job_that_cannot_be_admitted_fails_alone(ckpt, ref):
+    """A job the scheduler thread cannot set up (here a token id outside the vocabulary, which no request can
+    carry) fails as "internal"; the thread lives on and serves the jobs queued with it and after it."""
+    gen = load_generator(ckpt)
+    scheduler = Scheduler(gen, max_batch=2)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0, seed=0)
+    want = solo(ref, "the fox", max_new_tokens=5, temperature=0).text
+
+    def end(q):
+        while not isinstance(event := q.get(timeout=10), (Finished, Failed)):
+            pass
+        return event
+
+    bad, good, later = queue.Queue(), queue.Queue(), queue.Queue()
+    scheduler.start()
+    try:
+        ids = gen.encode("the fox")
+        out_of_vocab = [gen.backend.config.vocab_size + 5]
+        assert scheduler.submit([Job(out_of_vocab, SamplingParams(repetition_penalty=1.2, seed=0), bad.put),
+                                 Job(ids, greedy, good.put)])
+        failed = end(bad)
+        assert isinstance(failed, Failed) and failed.kind == "internal"
+        assert end(good).text == want
+        assert scheduler.submit([Job(ids, greedy, later.put)]) and end(later).text == want
+        assert scheduler.stats()["active"] == 0
+    finally:
+        scheduler.stop()
 
 
 def test_full_queue_answers_503(ckpt):
@@ -300,6 +339,10 @@ BAD = [
     ({"prompt": "the", "min_p": 2}, "invalid_value", "min_p"),
     ({"prompt": "the", "repetition_penalty": 0}, "invalid_value", "repetition_penalty"),
     ({"prompt": "the", "seed": -3}, "invalid_value", "seed"),
+    ({"prompt": "the", "seed": 2**64}, "invalid_value", "seed"),
+    (b'{"prompt": "Hello \\ud800 there"}', "invalid_value", "prompt"),
+    (b'{"prompt": ["the", "x\\udcff"]}', "invalid_value", "prompt"),
+    (b'{"prompt": "the", "stop": "\\ud800"}', "invalid_value", "stop"),
     ({"prompt": "the", "stop": [""]}, "invalid_value", "stop"),
     ({"prompt": "the", "stop": 5}, "invalid_type", "stop"),
     ({"prompt": "the", "logprobs": 99}, "invalid_value", "logprobs"),

@@ -13,7 +13,7 @@ import torch
 from switchhead.errors import SwitchheadError
 from switchhead.runtime.backends import TorchBackend
 from switchhead.runtime.engine import Generator
-from switchhead.runtime.sampling import SamplingParams
+from switchhead.runtime.sampling import SamplingParams, seed_plus
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -85,17 +85,20 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
         raise SwitchheadError("give a PROMPT or --prompts-file, not both")
     prompts = read_prompts_file(prompts_file) if prompts_file else None
     if prompts is None and prompt is None:
-        text = (stdin or sys.stdin).read()
+        try:
+            text = (stdin or sys.stdin).read()
+        except UnicodeDecodeError as e:  # a strict stdin; under surrogateescape, Generator.encode reports it
+            raise SwitchheadError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
         prompt = text[:-1] if text.endswith("\n") else text
     gen = load_generator(ckpt, device, onnx_dir)
     if prompts is not None:
         for p in prompts:  # fail before spending time on the earlier batches
             gen.encode(p)
-        # Seeds follow the line number, so results do not depend on --batch-size.
+        # Seeds follow the line number, so results do not depend on --batch-size; seed + i wraps modulo 2**64.
         base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
-            seeds = [base + start + i for i in range(len(batch))]
+            seeds = [seed_plus(base, start + i) for i in range(len(batch))]
             for r in gen.generate(batch, params, seeds=seeds):
                 write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
         return

@@ -13,7 +13,7 @@ from torch import Tensor
 from switchhead.errors import SwitchheadError
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
-from switchhead.runtime.sampling import SamplingParams, choose
+from switchhead.runtime.sampling import SamplingParams, check_utf8, choose, valid_seed
 
 # Tokens of context kept in front of new ids when detokenising incrementally: enough that the first new piece
 # keeps its leading space (SentencePiece drops a leading '▁' at the start of a decode) and that byte-fallback
@@ -182,6 +182,7 @@ class Generator:
     def encode(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str) or not prompt.strip():
             raise SwitchheadError("empty prompt: give some text to continue")
+        check_utf8(prompt, "prompt")  # SentencePiece cannot take lone surrogates
         ids = self.sp.encode(prompt)
         if not ids:
             raise SwitchheadError("the prompt encodes to no tokens")
@@ -190,7 +191,8 @@ class Generator:
     def generate(self, prompts: Sequence[str], params: SamplingParams, seeds: Sequence[int] | None = None,
                  on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
         """Generate for a batch of prompts at once. Row i samples with ``seeds[i]`` (default: params.seed, or
-        a random seed); its result does not depend on the other rows. `on_text(i, text)` streams text."""
+        a random seed; every seed in [0, 2**64 - 1]); its result does not depend on the other rows.
+        `on_text(i, text)` streams text."""
         return self.generate_ids([self.encode(p) for p in prompts], params, seeds, on_text, prompts)
 
     def generate_ids(self, encoded: Sequence[Sequence[int]], params: SamplingParams,
@@ -206,6 +208,11 @@ class Generator:
         if seeds is None:
             base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
             seeds = [base] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise SwitchheadError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        for s in seeds:
+            if not valid_seed(s):
+                raise SwitchheadError(f"seed must be an integer in [0, 2**64 - 1], got {s!r}")
         results = [Generation(p, prompt_tokens=len(ids), seed=int(s)) for p, ids, s in zip(prompts, encoded, seeds)]
         return self._run(encoded, params, results, on_text)
 

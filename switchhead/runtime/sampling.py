@@ -4,6 +4,10 @@ Order of application (as in Hugging Face's samplers): repetition penalty, temper
 then one draw. Temperature 0 means greedy. Filters mark removed tokens with -inf; each keeps at least the most
 likely token. Draws take uniforms from per-row generators so that a row's result never depends on which other
 rows share its batch.
+
+Seeds are integers in [0, 2**64), what `torch.Generator.manual_seed` takes. Where one seed yields several
+(the i-th prompt of a prompts file, the j-th of n samples), they are ``seed_plus(seed, i)``: seed + i wrapped
+modulo 2**64, so every seed the user may give works with any number of prompts or samples.
 """
 
 from __future__ import annotations
@@ -15,6 +19,30 @@ import torch
 from torch import Tensor
 
 from switchhead.errors import SwitchheadError
+
+SEED_LIMIT = 1 << 64  # seeds are in [0, SEED_LIMIT): torch.Generator.manual_seed overflows beyond
+
+
+def valid_seed(seed) -> bool:
+    return isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < SEED_LIMIT
+
+
+def seed_plus(seed: int, i: int) -> int:
+    """The seed of the i-th prompt or sample of a run seeded with `seed`: seed + i, modulo 2**64."""
+    return (seed + i) % SEED_LIMIT
+
+
+def check_utf8(text: str, what: str) -> None:
+    """A `SwitchheadError` when `text` cannot be encoded as UTF-8: it has lone surrogates, as undecodable bytes
+    become under Python's surrogateescape (command-line arguments, stdin) or as JSON's \\ud800 escapes give.
+    The message names the first bad character by position and code point, never the text itself (which could
+    not be printed either)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        bad = f"byte 0x{c - 0xDC00:02X}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate U+{c:04X}"
+        raise SwitchheadError(f"{what} is not valid UTF-8 ({bad} at character {e.start})") from None
 
 
 @dataclass(frozen=True)
@@ -44,8 +72,10 @@ class SamplingParams:
                 raise SwitchheadError(f"{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise SwitchheadError("stop strings must be non-empty")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise SwitchheadError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for i, s in enumerate(self.stop):  # generated text is always valid UTF-8: such a stop could never match
+            check_utf8(s, f"stop string {i}")
+        if self.seed is not None and not valid_seed(self.seed):
+            raise SwitchheadError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
 
 
 def _finite(x) -> bool:

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from switchhead.errors import SwitchheadError
-from switchhead.runtime.sampling import SamplingParams
+from switchhead.runtime.sampling import SamplingParams, seed_plus
 
 # The engine reports "eos" when the model ends the text; OpenAI calls every natural end "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -60,11 +60,11 @@ class CompletionRequest:
         """(choice index, prompt index, params with the sequence's seed), in OpenAI's choice order.
 
         Every prompt samples with the request's seed, as `Generator.generate` does for a batch; the j-th of n
-        samples of a prompt uses seed + j, so they differ."""
+        samples of a prompt uses seed + j (modulo 2**64, so any valid seed works with any n), so they differ."""
         out = []
         for i in range(len(self.prompts)):
             for j in range(self.n):
-                p = self.params if j == 0 else _with_seed(self.params, self.params.seed + j)
+                p = self.params if j == 0 else _with_seed(self.params, seed_plus(self.params.seed, j))
                 out.append((i * self.n + j, i, p))
         return out
 

@@ -61,7 +61,8 @@ class Finished:
 
 @dataclass
 class Failed:
-    """The sequence was dropped: kind "timeout" (past its deadline) or "internal" (a bug in a step)."""
+    """The sequence was dropped: kind "timeout" (past its deadline) or "internal" (a bug in admitting it or in a
+    step)."""
 
     kind: str
     message: str
@@ -199,21 +200,28 @@ class Scheduler:
 
     def _admit(self) -> None:
         for b in range(self.max_batch):
+            while self.pending and self.rows[b] is None:
+                job = self.pending.popleft()
+                try:
+                    self.rows[b] = self._row(b, job)
+                except Exception as e:  # a job this thread cannot take (a bug upstream): fail it, serve the rest
+                    log.exception("admitting a job failed")
+                    self._finish(job, Failed("internal", f"admitting the request failed: {e!r}"))
+                else:
+                    self.busy += 1
             if not self.pending:
                 return
-            if self.rows[b] is not None:
-                continue
-            job = self.pending.popleft()
-            self.cache.reset_row(b)
-            prompt = self.gen.prime + list(job.ids)
-            seen = None
-            if job.params.repetition_penalty != 1.0:
-                # As in the engine: the prompt (not the EOS prime) counts as already seen.
-                seen = torch.zeros(self.backend.config.vocab_size, dtype=torch.bool)
-                seen[torch.as_tensor(job.ids, dtype=torch.long)] = True
-            self.rows[b] = _Row(job, prompt, Detokenizer(self.gen.sp, prompt), StopText(job.params.stop),
-                                torch.Generator().manual_seed(job.params.seed), seen)
-            self.busy += 1
+
+    def _row(self, b: int, job: Job) -> _Row:
+        self.cache.reset_row(b)
+        prompt = self.gen.prime + list(job.ids)
+        seen = None
+        if job.params.repetition_penalty != 1.0:
+            # As in the engine: the prompt (not the EOS prime) counts as already seen.
+            seen = torch.zeros(self.backend.config.vocab_size, dtype=torch.bool)
+            seen[torch.as_tensor(job.ids, dtype=torch.long)] = True
+        return _Row(job, prompt, Detokenizer(self.gen.sp, prompt), StopText(job.params.stop),
+                    torch.Generator().manual_seed(job.params.seed), seen)
 
     def _free(self, b: int, event: Event | None) -> None:
         row = self.rows[b]
