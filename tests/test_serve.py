@@ -398,3 +398,27 @@ def test_many_bad_requests_then_a_good_one(url, client, ref):
 def test_cli_bad_options_are_one_line_exit_2(args, message):
     r = CliRunner().invoke(main, ["serve", *args])
     assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
+
+
+def test_cli_address_that_cannot_be_listened_on_is_one_line_exit_2(ckpt):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        for host, port, message in [("127.0.0.1", taken.getsockname()[1], "in use"),
+                                    ("999.1.1.1", 8000, "cannot listen on 999.1.1.1:8000")]:
+            r = CliRunner().invoke(main, ["serve", "--ckpt", str(ckpt), "--host", host, "--port", str(port)])
+            assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    finally:
+        taken.close()
+
+
+def test_stopped_scheduler_is_reported_not_waited_on(ckpt):
+    """If the generation loop is not running, /health says so and requests get 503 at once instead of hanging."""
+    with serving(ckpt, max_batch=1) as (url, app):
+        assert httpx.get(url + "/health").status_code == 200
+        app.state.scheduler.stop()
+        h = httpx.get(url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "stopped"
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "scheduler_stopped"

@@ -143,7 +143,10 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": config.model_name, **scheduler.stats()}
+        body = {"status": "ok", "model": config.model_name, **scheduler.stats()}
+        if not scheduler.alive():
+            return JSONResponse({**body, "status": "stopped"}, status_code=503)
+        return body
 
     @app.get("/v1/models")
     async def models():
@@ -181,6 +184,9 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
         seqs = req.sequences()
         jobs = [Job(req.encoded[i], params, relay.sink(k), req.logprobs, deadline) for k, i, params in seqs]
         choices = [_Choice(k, i, len(req.encoded[i])) for k, i, _ in seqs]
+        if not scheduler.alive():  # jobs would wait forever
+            raise P.APIError(503, "the server's generation loop has stopped; restart the server", "server_error",
+                             None, "scheduler_stopped")
         if not scheduler.submit(jobs):
             raise P.APIError(503, "the server is busy: the request queue is full, retry later", "server_error",
                              None, "queue_full", headers={"Retry-After": "1"})

@@ -121,6 +121,10 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="switchhead-scheduler", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        """Is the scheduler thread running? Nothing is generated (and no deadline enforced) without it."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stop = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from switchhead.errors import SwitchheadError
 from switchhead.serve.protocol import Limits
 
@@ -14,6 +16,19 @@ def check_options(port: int, max_batch: int, max_queue: int, timeout: float, max
     for name, ok, rule in checks:
         if not ok:
             raise SwitchheadError(f"{name} must be {rule}")
+
+
+def check_address(host: str, port: int) -> None:
+    """Can the server listen on host:port? Checked by binding (as uvicorn will, with SO_REUSEADDR) so that a port
+    in use or an address this machine does not have is one line, instead of uvicorn's log and exit code 3."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:  # socket.gaierror included
+        raise SwitchheadError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max_batch: int, max_queue: int,
@@ -29,6 +44,7 @@ def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max
                               "install them with: pip install 'switchhead[serve]'") from None
     from switchhead.runtime.commands import load_generator
 
+    check_address(host, port)  # before loading the model
     gen = load_generator(ckpt, device, onnx_dir)
     config = ServeConfig(model_name=model_name or default_model_name(ckpt, onnx_dir), max_batch=max_batch,
                          max_queue=max_queue, timeout_s=timeout or None,
