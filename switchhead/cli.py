@@ -189,7 +189,8 @@ def train(ctx, **params):
 @click.option("--min-p", type=float, default=0.0, show_default=True,
               help="Drop tokens below min-p times the top probability, in [0, 1].")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
-@click.option("--seed", type=int, help="Same seed, same text (default: random).")
+@click.option("--seed", type=int, help="Same seed, same text (default: random); 0 to 2**64-1. Line i of a prompts "
+              "file uses seed + i.")
 @click.option("--stop", multiple=True,
               help="Stop before this string (repeatable; taken literally: in bash, $'\\n' is a newline).")
 @click.option("--prompts-file", type=click.Path(), help="Text lines or JSONL with a \"prompt\" field; "
