@@ -479,23 +479,3 @@ def test_cli_output_under_a_file_fails_before_evaluating(env, tmp_path, no_model
                 "--output", str(tmp_path / output))
     assert r.exit_code == 2 and "afile is not a directory" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("Error:"), r.output
-
-
-def test_results_are_written_atomically(tmp_path, monkeypatch):
-    from switchhead.evals import run
-
-    out = tmp_path / "r.json"
-    out.write_text("old results")
-
-    def crash(fd):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(run.os, "fsync", crash)
-    with pytest.raises(OSError, match="disk full"):
-        run.write_text_atomic(out, "new results")
-    assert out.read_text() == "old results" and sorted(tmp_path.iterdir()) == [out]
-    monkeypatch.undo()
-    run.write_text_atomic(tmp_path / "new" / "r.json", "x")
-    run.write_text_atomic(out, "new results")
-    assert out.read_text() == "new results" and (tmp_path / "new" / "r.json").read_text() == "x"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "r.json"]

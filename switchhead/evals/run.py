@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 
 from switchhead.errors import SwitchheadError
 from switchhead.evals import data
+from switchhead.fileio import check_creatable, write_atomic
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 # Short names used by the CLI -> the lm-eval task or group names shipped in TASKS_DIR. Prefixed so that they
@@ -54,7 +54,9 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
     if ckpt is not None and not Path(ckpt).is_dir():
         raise SwitchheadError(f"checkpoint directory not found: {ckpt}")
     if output is not None:
-        check_output(output)
+        if Path(output).is_dir():
+            raise SwitchheadError(f"--output must be a file path, {output} is a directory")
+        check_creatable(output, "--output")
     if data_dir is not None:
         data.check_data_files(data_dir, names)
 
@@ -78,46 +80,8 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
     if results is None:  # non-zero ranks under torch.distributed
         return {}
     if output is not None:
-        write_text_atomic(output, json.dumps(results, indent=2, default=_jsonable))
+        write_atomic(output, json.dumps(results, indent=2, default=_jsonable))
     return results
-
-
-def check_output(output: str | Path) -> None:
-    """Fail before the evaluation where writing the results to `output` would fail after it: a directory,
-    a path under a file, or a directory that cannot be written."""
-    path = Path(output)
-    if path.is_dir():
-        raise SwitchheadError(f"--output must be a file path, {output} is a directory")
-    path = Path(os.path.abspath(path))
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise SwitchheadError(f"--output {output}: cannot create the file, {parent} is not a directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise SwitchheadError(f"--output {output}: cannot write in {parent} (permission denied)")
-            break
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and a rename, so that an interrupted write never leaves a
-    truncated file (and an existing one stays intact). A path that exists and is not a regular file (a
-    device such as /dev/stdout, a FIFO) is written directly."""
-    target = Path(os.path.realpath(path))  # through a symlink: replace the file it points to, keep the link
-    if target.exists() and not target.is_file():
-        target.write_text(text)
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        # os.open with mode 0o666 gives the permissions a plain write would (the umask applies)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _jsonable(o):

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from switchhead.errors import CheckpointError, ConfigError
+from switchhead.fileio import blocking_parent
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 
@@ -47,11 +48,8 @@ def check_replaceable(path: str | Path) -> None:
     cwd = Path.cwd()
     if path == cwd or path in cwd.parents:
         raise CheckpointError(f"cannot replace {path}: it is the current directory or contains it; choose another")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise CheckpointError(f"cannot write {path}: {parent} is not a directory")
-            break
+    if (blocker := blocking_parent(path)) is not None:
+        raise CheckpointError(f"cannot write {path}: {blocker} is not a directory")
 
 
 @contextlib.contextmanager

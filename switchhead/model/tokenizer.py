@@ -23,6 +23,7 @@ import numpy as np
 import sentencepiece as spm
 
 from switchhead.errors import SwitchheadError
+from switchhead.fileio import write_atomic
 
 NEWLINE = "\n"
 UNK_ID, EOS_ID = 0, 1
@@ -133,10 +134,7 @@ def train_tokenizer(
 
 def save_tokenizer(sp: spm.SentencePieceProcessor, path: str | Path) -> None:
     """Write the model file atomically (temp file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(sp.serialized_model_proto())
-    tmp.replace(path)
+    write_atomic(path, sp.serialized_model_proto())
 
 
 def load_tokenizer(path: str | Path) -> spm.SentencePieceProcessor:
