@@ -1,6 +1,7 @@
 """`switchhead train` through click: bad input gives one line, exit code 2, no traceback, nothing overwritten."""
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -119,6 +120,7 @@ def test_existing_run_and_changed_config_on_resume(corpus, tmp_path):
     _assert_user_error(_run("--out", out, "--resume", "--config", "tiny-transformer"), "model config changed")
     _assert_user_error(_run("--out", out, "--resume", "--batch-size", 4), "batch size changed")
     _assert_user_error(_run("--out", out, "--resume", "--grad-clip", 0.5), "grad_clip")
+    _assert_user_error(_run("--out", out, "--resume", "--vocab-size", 300), "vocab size changed")
     other = tmp_path / "b.txt"
     other.write_text("\n".join(f"{WORDS} again {i}" for i in range(200)))
     _assert_user_error(_run("--out", out, "--resume", "--data", other), "data changed")
@@ -132,4 +134,80 @@ def test_bad_options(corpus, tmp_path):
         _tiny(tmp_path / "o", corpus, tmp_path, "--tokenizer", tmp_path / "none.model"), "tokenizer model not found"
     )
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--dtype", "float16"), "float16 needs a CUDA")
+    assert not (tmp_path / "o").exists()
+
+
+def _finished_run(out, corpus, tmp_path):
+    """A finished run in `out`, and what must survive a refused resume: final/ weights and metrics."""
+    assert _tiny(out, corpus, tmp_path).exit_code == 0
+    return (out / "final" / "model.safetensors").read_bytes(), (out / "metrics.jsonl").read_text()
+
+
+def _assert_untouched(out, kept):
+    assert ((out / "final" / "model.safetensors").read_bytes(), (out / "metrics.jsonl").read_text()) == kept
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "other vocab", "other config", "other optimizer"])
+def test_resume_refuses_a_damaged_checkpoint(corpus, tmp_path, damage):
+    out = tmp_path / "run"
+    kept = _finished_run(out, corpus, tmp_path)
+    ckpt = out / "checkpoint"
+    weights = ckpt / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "deleted":
+        weights.unlink()
+    else:  # files of a run whose tokenizer (so model and optimizer) is smaller
+        other = tmp_path / "other"
+        assert _tiny(other, corpus, tmp_path, "--vocab-size", 300).exit_code == 0
+        names = {"other vocab": ["model.safetensors"], "other optimizer": ["optimizer.safetensors"],
+                 "other config": ["config.json", "model.safetensors", "tokenizer.model"]}[damage]
+        for name in names:
+            (ckpt / name).write_bytes((other / "checkpoint" / name).read_bytes())
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6), "cannot resume")
+    _assert_untouched(out, kept)
+
+
+@pytest.mark.parametrize("text", ["{}", "[]", "not json", '{"step": 4}', '{"step": 4, "optimizer": {}}'])
+def test_resume_refuses_a_malformed_trainer_state(corpus, tmp_path, text):
+    out = tmp_path / "run"
+    kept = _finished_run(out, corpus, tmp_path)
+    (out / "checkpoint" / "trainer_state.json").write_text(text)
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6), "trainer_state.json")
+    _assert_untouched(out, kept)
+
+
+def test_resume_without_a_checkpoint(corpus, tmp_path):
+    _assert_user_error(_run("--out", tmp_path / "nothing", "--resume"), "no run to resume")
+    (tmp_path / "empty").mkdir()
+    _assert_user_error(_run("--out", tmp_path / "empty", "--resume"), "no switchhead training run")
+    assert not (tmp_path / "nothing").exists() and not any((tmp_path / "empty").iterdir())
+    out = tmp_path / "run"
+    kept = _finished_run(out, corpus, tmp_path)
+    ckpt = out / "checkpoint"
+    # A crash between atomic_directory's two renames leaves only the old checkpoint, moved aside.
+    aside = out / ".checkpoint.old-4242"
+    ckpt.rename(aside)
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6), f"rename {aside} to {ckpt}")
+    _assert_untouched(out, kept)
+    assert not ckpt.exists()  # pointed out, not repaired
+    shutil.rmtree(aside)
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6), "has no checkpoint/ to resume from")
+    _assert_untouched(out, kept)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--lr", "inf"), ("--grad-clip", "nan"), ("--grad-clip", "inf")])
+def test_non_finite_options(corpus, tmp_path, flag, value):
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, flag, value), flag)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("key", "value"), [("grad_clip", float("nan")), ("grad_clip", float("inf")),
+                                            ("ff_entropy_coef", float("nan")), ("ff_entropy_coef", float("inf"))])
+def test_non_finite_config_values(corpus, tmp_path, key, value):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({**switchhead.PRESETS["tiny-switchhead"].to_dict(), key: value}))  # NaN / Infinity
+    r = _run("--config", cfg, "--data", corpus, "--out", tmp_path / "o", "--vocab-size", 400, "--steps", 4,
+             "--batch-size", 2, "--cache-dir", tmp_path / "cache", "--no-progress")
+    _assert_user_error(r, f"ModelConfig.{key}")
     assert not (tmp_path / "o").exists()

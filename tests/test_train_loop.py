@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from tiny import write_corpus
 
 import switchhead
+from switchhead.errors import SwitchheadError
 from switchhead.model.config import PRESETS
 from switchhead.train import TrainOptions, train
 
@@ -205,3 +207,19 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     assert max(_losses(out)) == state["step"]
     model, sp = switchhead.load(out / "checkpoint")
     assert sp is not None and model.config.vocab_size == sp.get_piece_size()
+
+
+def test_resume_needs_a_run_and_its_checkpoint(tmp_path):
+    data = _corpus(tmp_path / "a.txt", n_lines=100)
+    opts = dict(config="tiny-switchhead", data=[str(data)], vocab_size=300, steps=3, batch_size=2,
+                cache_dir=str(tmp_path / "cache"), progress=False)
+    with pytest.raises(SwitchheadError, match="no run to resume"):
+        train(TrainOptions(out=str(tmp_path / "new"), resume=True, **opts))
+    assert not (tmp_path / "new").exists()  # not silently started from scratch
+    out = tmp_path / "run"
+    train(TrainOptions(out=str(out), **opts))
+    shutil.rmtree(out / "checkpoint")
+    final = (out / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(SwitchheadError, match="has no checkpoint/"):
+        train(TrainOptions(out=str(out), resume=True, **{**opts, "steps": 5}))
+    assert (out / "final" / "model.safetensors").read_bytes() == final and max(_losses(out)) == 3

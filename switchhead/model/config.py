@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +63,9 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{name} must be in [0, 1), got {v!r}")
         for name in ("ff_entropy_coef", "grad_clip"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"ModelConfig.{name} must be a non-negative number, got {v!r}")
+            # NaN passes `v < 0` and inf is no usable value; either would also be written out as invalid JSON.
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"ModelConfig.{name} must be a finite non-negative number, got {v!r}")
         self._choice("attention", ATTENTION_KINDS)
         self._choice("positional", POSITIONAL_KINDS)
         self._choice("ff", FF_KINDS)

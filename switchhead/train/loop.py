@@ -26,11 +26,12 @@ import sentencepiece as spm
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tqdm import tqdm
 
-from switchhead.errors import SwitchheadError
-from switchhead.model.checkpoint import WEIGHTS, save
+from switchhead.errors import CheckpointError, SwitchheadError
+from switchhead.fileio import write_atomic
+from switchhead.model.checkpoint import CONFIG, save
+from switchhead.model.checkpoint import load as load_checkpoint
 from switchhead.model.config import ModelConfig, resolve_config
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
@@ -45,6 +46,7 @@ from switchhead.train.data import (
 )
 from switchhead.train.schedule import lr_at
 from switchhead.train.state import (
+    TRAINER_STATE,
     has_training_checkpoint,
     optimizer_from_flat,
     read_training_checkpoint,
@@ -199,10 +201,12 @@ _RESUMABLE = (
 
 
 def resume_defaults(out: str | Path) -> dict:
-    """The options of the run recorded in `out` (for `--resume` without repeating every flag); {} if none."""
+    """The options of the run recorded in `out` (for `--resume` without repeating every flag).
+
+    A SwitchheadError when `out` holds no run: `--resume` has nothing to continue."""
     run_file = Path(out) / RUN_FILE
     if not run_file.is_file():
-        return {}
+        raise _no_run_to_resume(Path(out))
     try:
         spec = json.loads(run_file.read_text())
         return {
@@ -213,6 +217,32 @@ def resume_defaults(out: str | Path) -> dict:
         }
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
+
+
+def _no_run_to_resume(out: Path) -> SwitchheadError:
+    if not out.exists():
+        return SwitchheadError(f"cannot resume: {out} does not exist, so there is no run to resume in it")
+    return SwitchheadError(f"cannot resume: {out} holds no switchhead training run ({RUN_FILE} is missing)")
+
+
+def _check_resumable(out: Path) -> None:
+    """Refuse `--resume` unless OUT/checkpoint/ is there (a half-replaced one is pointed out, not repaired)."""
+    ckpt_dir = out / CHECKPOINT_DIR
+    if ckpt_dir.is_dir():
+        if not has_training_checkpoint(ckpt_dir):
+            raise CheckpointError(
+                f"cannot resume: {ckpt_dir} is not a training checkpoint ({TRAINER_STATE} is missing)"
+            )
+        return
+    aside = sorted(
+        (p for p in out.glob(f".{CHECKPOINT_DIR}.old-*") if p.is_dir()), key=lambda p: p.stat().st_mtime
+    )
+    if aside:
+        raise CheckpointError(
+            f"cannot resume: {ckpt_dir} is missing but {aside[-1]} holds the previous checkpoint (a crash "
+            f"interrupted its replacement); rename {aside[-1]} to {ckpt_dir} and resume again"
+        )
+    raise CheckpointError(f"cannot resume: {out} has no {CHECKPOINT_DIR}/ to resume from")
 
 
 def _check_out_dir(out: Path, resume: bool) -> dict | None:
@@ -242,6 +272,13 @@ def _check_out_dir(out: Path, resume: bool) -> dict | None:
 
 def _compare_specs(old: dict, new: dict) -> None:
     old = {"unwrap": False, **old}  # runs recorded before the option existed read their text verbatim
+    # The tokenizer comes from the run when resuming, so a changed --vocab-size would be silently ignored.
+    old_vocab = (old.get("options") or {}).get("vocab_size")
+    if old_vocab is not None and old_vocab != new["options"]["vocab_size"]:
+        raise SwitchheadError(
+            f"cannot resume: vocab size changed since the run started ({old_vocab!r} -> "
+            f"{new['options']['vocab_size']!r}); the run keeps its tokenizer"
+        )
     for key in ("model_config", "tokenizer_sha256", "data", "batch_size", "lr", "warmup", "seed", "unwrap"):
         if old.get(key) != new.get(key):
             if key == "model_config":
@@ -258,9 +295,7 @@ def _compare_specs(old: dict, new: dict) -> None:
 
 
 def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -274,9 +309,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
                 keep.append(line)
         except json.JSONDecodeError:
             continue  # a line torn by the kill
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(k + "\n" for k in keep))
 
 
 # --- evaluation ---
@@ -403,12 +436,53 @@ def _validate(opts: TrainOptions) -> None:
             raise SwitchheadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
     if opts.eval_batch_size is not None and (not isinstance(opts.eval_batch_size, int) or opts.eval_batch_size < 1):
         raise SwitchheadError(f"--eval-batch-size must be a positive integer, got {opts.eval_batch_size!r}")
-    if not opts.lr > 0:
-        raise SwitchheadError(f"--lr must be positive, got {opts.lr}")
-    if opts.warmup < 0:
-        raise SwitchheadError(f"--warmup must be >= 0, got {opts.warmup}")
-    if opts.grad_clip is not None and opts.grad_clip < 0:
-        raise SwitchheadError(f"--grad-clip must be >= 0 (0 disables clipping), got {opts.grad_clip}")
+    if not isinstance(opts.vocab_size, int) or isinstance(opts.vocab_size, bool) or opts.vocab_size < 1:
+        raise SwitchheadError(f"--vocab-size must be a positive integer, got {opts.vocab_size!r}")
+    if not _finite(opts.lr) or not opts.lr > 0:
+        raise SwitchheadError(f"--lr must be a positive finite number, got {opts.lr}")
+    if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
+        raise SwitchheadError(f"--warmup must be an integer >= 0, got {opts.warmup!r}")
+    if opts.grad_clip is not None and (not _finite(opts.grad_clip) or opts.grad_clip < 0):
+        raise SwitchheadError(
+            f"--grad-clip must be a finite number >= 0 (0 disables clipping), got {opts.grad_clip}"
+        )
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _read_resume_state(
+    ckpt_dir: Path, model: TransformerLM, opt: torch.optim.Optimizer, config: ModelConfig, batch_size: int
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Load the weights and optimizer state of the training checkpoint into `model` and `opt`, validating
+    every file first; return (state JSON, optimizer tensors, trainer tensors). Anything that does not fit the
+    run is a CheckpointError naming what is wrong."""
+    try:
+        state, opt_tensors, trainer_tensors = read_training_checkpoint(ckpt_dir)
+        # The validating model loader: a missing, corrupt or mis-shaped model.safetensors is refused with the
+        # reason (and never half-loaded into `model`).
+        saved, _ = load_checkpoint(ckpt_dir, device=next(model.parameters()).device, dtype=None)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot resume: {e}") from None
+    if saved.config != config:
+        a, b = saved.config.to_dict(), config.to_dict()
+        diff = ", ".join(f"{k}: {a[k]!r} (checkpoint) vs {b[k]!r} (run)" for k in a if k != "name" and a[k] != b[k])
+        raise CheckpointError(f"cannot resume: {ckpt_dir / CONFIG} does not match the run's model config ({diff})")
+    mem = trainer_tensors.get("memory")
+    if mem is not None and (
+        mem.dim() != 4 or (mem.shape[0], mem.shape[1], mem.shape[3]) != (config.n_layers, batch_size, config.d_model)
+    ):
+        raise CheckpointError(
+            f"cannot resume: the memory in {ckpt_dir} has shape {tuple(mem.shape)}, expected "
+            f"({config.n_layers}, {batch_size}, M, {config.d_model})"
+        )
+    try:
+        optimizer_from_flat(opt, opt_tensors, state["optimizer"])
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot resume from {ckpt_dir}: {e}") from None
+    model.load_state_dict(saved.state_dict())
+    return state, opt_tensors, trainer_tensors
 
 
 def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
@@ -427,7 +501,11 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     eval_files = check_data_files(opts.eval_data, "evaluation data") if opts.eval_data else []
     old_spec = _check_out_dir(out, opts.resume)
     ckpt_dir = out / CHECKPOINT_DIR
-    resuming = old_spec is not None and has_training_checkpoint(ckpt_dir)
+    if opts.resume:
+        if old_spec is None:
+            raise _no_run_to_resume(out)
+        _check_resumable(out)
+    resuming = opts.resume  # _check_out_dir refuses an existing run without --resume
     _barrier()  # every rank has checked the directory before rank 0 starts writing into it
 
     # Tokenizer: the run's own copy when resuming; else the given one; else trained by rank 0 on the data.
@@ -493,19 +571,23 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
 
     start_step, memory = 0, None
     if resuming:
-        state, opt_tensors, trainer_tensors = read_training_checkpoint(ckpt_dir)
-        model.load_state_dict(load_file(str(ckpt_dir / WEIGHTS), device=str(device)))
-        optimizer_from_flat(opt, opt_tensors, state["optimizer"])
+        state, opt_tensors, trainer_tensors = _read_resume_state(ckpt_dir, model, opt, config, opts.batch_size)
         if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        start_step = int(state["step"])
+            try:
+                scaler.load_state_dict(state["scaler"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise CheckpointError(f"cannot resume: the grad-scaler state in {ckpt_dir} is malformed: {e}") from None
+        start_step = state["step"]
         if "memory" in trainer_tensors:
             memory = trainer_tensors["memory"][:, my_lanes[0] : my_lanes[-1] + 1].to(device)
         if state.get("world_size") == world and f"rng.{rank}.cpu" in trainer_tensors:
-            _set_rng_state(
-                {k.split(".")[-1]: v for k, v in trainer_tensors.items() if k.startswith(f"rng.{rank}.")},
-                device,
-            )
+            try:
+                _set_rng_state(
+                    {k.split(".")[-1]: v for k, v in trainer_tensors.items() if k.startswith(f"rng.{rank}.")},
+                    device,
+                )
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise CheckpointError(f"cannot resume: the RNG state in {ckpt_dir} is malformed: {e}") from None
         elif is_main:
             tqdm.write(
                 f"note: resuming with {world} processes instead of {state.get('world_size')}; dropout "
