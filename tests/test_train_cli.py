@@ -92,6 +92,8 @@ def test_out_dir_holding_something_else(corpus, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     _assert_user_error(_tiny(f, corpus, tmp_path), "not a directory")
+    _assert_user_error(_tiny(f / "run", corpus, tmp_path), "file is not a directory")  # under a file
+    assert f.read_text() == "x"
 
 
 def test_unwrap_is_part_of_the_run(corpus, tmp_path):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from switchhead.errors import CheckpointError, SwitchheadError
-from switchhead.fileio import write_atomic
+from switchhead.fileio import check_creatable, write_atomic
 from switchhead.model.checkpoint import CONFIG, save
 from switchhead.model.checkpoint import load as load_checkpoint
 from switchhead.model.config import ModelConfig, resolve_config
@@ -249,6 +249,7 @@ def _check_out_dir(out: Path, resume: bool) -> dict | None:
     """Refuse directories we do not own; return the recorded run spec when resuming an existing run."""
     if out.exists() and not out.is_dir():
         raise SwitchheadError(f"--out {out} exists and is not a directory")
+    check_creatable(out, "--out")
     run_file = out / RUN_FILE
     if out.is_dir() and any(out.iterdir()) and not run_file.is_file():
         raise SwitchheadError(
