@@ -179,7 +179,8 @@ def train(ctx, **params):
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (with tokenizer.model).")
+@click.option("--ckpt", type=click.Path(),
+              help="Checkpoint directory (with tokenizer.model; default: the built-in model).")
 @click.option("--onnx", "onnx_dir", type=click.Path(),
               help="Directory written by `switchhead export --onnx` (runs on ONNX Runtime instead of PyTorch).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
@@ -224,7 +225,7 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
 
 @main.command("eval")
 @click.option("--tasks", required=True, help="Comma-separated: lambada, blimp, cbt.")
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory.")
+@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (default: the built-in model).")
 @click.option("--onnx", type=click.Path(), help="ONNX export directory (instead of --ckpt).")
 @click.option("--data-dir", type=click.Path(), help="Local data (lambada/, blimp/, cbt/ in their original formats; "
               "see docs/EVAL.md). Default: the Hugging Face hub, when reachable.")
@@ -256,7 +257,8 @@ def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, thread
 
 
 @main.command()
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (with tokenizer.model).")
+@click.option("--ckpt", type=click.Path(),
+              help="Checkpoint directory (with tokenizer.model; default: the built-in model).")
 @click.option("--text", help="Text to inspect.")
 @click.option("--text-file", type=click.Path(), help="Read the text from this UTF-8 file.")
 @click.option("--out", required=True, type=click.Path(), help="Directory for the PNGs and index.html.")
@@ -302,7 +304,8 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize):
 
 
 @main.command()
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (with tokenizer.model).")
+@click.option("--ckpt", type=click.Path(),
+              help="Checkpoint directory (with tokenizer.model; default: the built-in model).")
 @click.option("--onnx", "onnx_dir", type=click.Path(), help="ONNX export directory (instead of --ckpt).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True)
