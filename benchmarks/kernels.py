@@ -372,6 +372,8 @@ def main() -> None:
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
+    if args.against and not args.regimes:
+        parser.error("--against needs --regimes (it times named regimes beside their old code)")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(

@@ -61,7 +61,7 @@ def perplexity(ckpt: str, text: str, n_tokens: int, threads: int) -> None:
     import switchhead
 
     model, sp = switchhead.load(ckpt)
-    ids = sp.encode(Path(text).read_text(encoding="utf-8"))[:n_tokens + 1]
+    ids = sp.encode(Path(text).read_text(encoding="utf-8"))[:n_tokens]  # scored after an EOS, as documents start
     ids = torch.tensor([[sp.eos_id()] + ids])
     targets = ids[0, 1:]
 

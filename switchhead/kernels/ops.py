@@ -26,6 +26,9 @@ gradient is bitwise reproducible run to run by construction (so are the PyTorch 
 forward and input gradient add the slots that share a row with atomics unless
 torch.use_deterministic_algorithms(True) is set.
 
+Reverse-mode autograd only: like any torch.library custom op with just `register_autograd`, torch.func
+transforms refuse it and torch.autograd.forward_ad silently gives its output a zero tangent.
+
 Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`), anything else -> PyTorch
 (`torch_paths`, which picks a regime by shape). The environment variable ``SWITCHHEAD_KERNEL`` (read at
 every call) overrides this: ``triton`` (on CPU tensors this needs ``TRITON_INTERPRET=1``), ``torch``,
