@@ -145,9 +145,8 @@ def expert_projection_backward(
     """Gradients w.r.t. x, weight and gate (the last is empty when not needed or gate is None)."""
     backend = backend_for(x)
     if x.shape[0] == 0:
-        dtype = gate.dtype if gate is not None else x.dtype
-        grad_gate = x.new_empty(index.shape if gate is not None and need_gate_grad else (0,), dtype=dtype)
-        return torch.empty_like(x), torch.zeros_like(weight), grad_gate
+        grad_x, grad_w, grad_gate = _grad_buffers(x, weight, index, gate, need_gate_grad)
+        return grad_x, grad_w.zero_(), grad_gate
     if backend == "triton":
         return _triton().backward(grad, x, weight, index, gate, need_gate_grad)
     if backend == "reference":
@@ -155,11 +154,16 @@ def expert_projection_backward(
     return torch_paths.backward(grad, x, weight, index, gate, need_gate_grad)
 
 
-@expert_projection_backward.register_fake
-def _(grad, x, weight, index, gate, need_gate_grad):
+def _grad_buffers(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool):
+    """Uninitialised tensors shaped like the backward's results (the gate's is empty when not needed)."""
     gate_shape = index.shape if (gate is not None and need_gate_grad) else (0,)
     dtype = gate.dtype if gate is not None else x.dtype
     return torch.empty_like(x), torch.empty_like(weight), x.new_empty(gate_shape, dtype=dtype)
+
+
+@expert_projection_backward.register_fake
+def _(grad, x, weight, index, gate, need_gate_grad):
+    return _grad_buffers(x, weight, index, gate, need_gate_grad)
 
 
 def _setup_context(ctx, inputs, output):
