@@ -319,7 +319,7 @@ def _edit_json(path: Path, **changes) -> None:
 
 DAMAGE = {
     "no config": (lambda d: (d / "config.json").unlink(), "config.json is missing"),
-    "config not JSON": (lambda d: (d / "config.json").write_text("{bad"), "config.json is not readable JSON"),
+    "config not JSON": (lambda d: (d / "config.json").write_text("{bad"), "config.json: config is not valid JSON"),
     "config of another model": (lambda d: _edit_json(d / "config.json", n_layers=3),
                                 "model.onnx has no input past_key_values.2.key"),
     "config with another vocabulary": (lambda d: _edit_json(d / "config.json", vocab_size=700),
@@ -329,7 +329,7 @@ DAMAGE = {
     "layout a list": (lambda d: (d / "layout.json").write_text("[]"), "layout.json is not a JSON object"),
     "layout claims fp16": (lambda d: _edit_json(d / "layout.json", dtype="fp16"), r"is tensor\(float\), expected"),
     "another tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(
-        word_tokenizer(WORDS, vocab_size=280).serialized_model_proto()), "pieces but the model has vocab_size"),
+        word_tokenizer(WORDS, vocab_size=280).serialized_model_proto()), "pieces but the model expects vocab_size"),
     "corrupt tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(b"\x00garbage"), "tokenizer.model is corrupt"),
 }
 

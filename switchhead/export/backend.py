@@ -18,7 +18,7 @@ from torch import Tensor
 from switchhead.errors import SwitchheadError
 from switchhead.export import schema
 from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE, layout
-from switchhead.model.config import ModelConfig
+from switchhead.model.checkpoint import read_config, read_tokenizer
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
 
@@ -63,11 +63,7 @@ class OnnxBackend(Backend):
                                   f"expected {FORMAT!r}")
         if not (path / CONFIG_FILE).is_file():
             raise SwitchheadError(f"{path} is not a complete switchhead ONNX export: {CONFIG_FILE} is missing")
-        config = _json_object(path / CONFIG_FILE)
-        try:
-            self.config = ModelConfig.from_dict(config)
-        except SwitchheadError as e:
-            raise SwitchheadError(f"{path / CONFIG_FILE}: {e}") from None
+        self.config = read_config(path / CONFIG_FILE)
         schema.register_schema()
         self.session = _session(path / MODEL_FILE, providers, threads)
         want = layout(self.config, self.layout.get("dtype"), self.layout.get("quantize"))
@@ -77,18 +73,7 @@ class OnnxBackend(Backend):
         self.providers = self.session.get_providers()
         self.device = torch.device("cpu")
         self.dtype = torch.float16 if self.layout.get("dtype") == "fp16" else torch.float32
-        self.tokenizer = None
-        if (path / TOKENIZER_FILE).is_file():
-            import sentencepiece as spm
-
-            self.tokenizer = spm.SentencePieceProcessor()
-            try:
-                self.tokenizer.LoadFromSerializedProto((path / TOKENIZER_FILE).read_bytes())
-            except Exception as e:  # sentencepiece raises a bare RuntimeError/OSError on bad protos
-                raise SwitchheadError(f"{path / TOKENIZER_FILE} is corrupt: {e}") from None
-            if self.tokenizer.get_piece_size() != self.config.vocab_size:
-                raise SwitchheadError(f"{path / TOKENIZER_FILE} has {self.tokenizer.get_piece_size()} pieces but "
-                                      f"the model has vocab_size {self.config.vocab_size}")
+        self.tokenizer = read_tokenizer(path / TOKENIZER_FILE, self.config)
         n = self.config.n_layers
         self._past = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(n)]
         self._outputs = ["logits"] + [f"present.{i}.{kind}" for i in range(n) for kind in ("key", "value")]

@@ -111,10 +111,32 @@ def load_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"checkpoint directory not found: {path}")
     if not (path / CONFIG).is_file():
         raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
+    return read_config(path / CONFIG)
+
+
+def read_config(file: Path) -> ModelConfig:
+    """A config.json (of a checkpoint or an ONNX export), validated; its problems name the file."""
     try:
-        return ModelConfig.from_json((path / CONFIG).read_text())
-    except ConfigError as e:
-        raise CheckpointError(f"{path / CONFIG}: {e}") from None
+        return ModelConfig.from_json(file.read_text(encoding="utf-8"))
+    except (ConfigError, OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
+
+
+def read_tokenizer(file: Path, config: ModelConfig):
+    """The SentencePieceProcessor in `file` (None if there is none), which must have the model's vocab_size."""
+    if not file.is_file():
+        return None
+    import sentencepiece as spm
+
+    tokenizer = spm.SentencePieceProcessor()
+    try:
+        tokenizer.LoadFromSerializedProto(file.read_bytes())
+    except Exception as e:  # sentencepiece raises a bare RuntimeError/OSError on bad protos
+        raise CheckpointError(f"{file} is corrupt: {e}") from None
+    if tokenizer.get_piece_size() != config.vocab_size:
+        raise CheckpointError(f"{file} has {tokenizer.get_piece_size()} pieces but the model expects vocab_size "
+                              f"{config.vocab_size}")
+    return tokenizer
 
 
 def load(path: str | Path | None = None, device: str | torch.device = "cpu",
@@ -149,16 +171,4 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)
     model.eval()
-    tokenizer = None
-    if (path / TOKENIZER).is_file():
-        import sentencepiece as spm
-
-        tokenizer = spm.SentencePieceProcessor()
-        try:
-            tokenizer.LoadFromSerializedProto((path / TOKENIZER).read_bytes())
-        except Exception as e:  # sentencepiece raises a bare RuntimeError/OSError on bad protos
-            raise CheckpointError(f"{path / TOKENIZER} is corrupt: {e}") from None
-        if tokenizer.get_piece_size() != config.vocab_size:
-            raise CheckpointError(f"{path / TOKENIZER} has {tokenizer.get_piece_size()} pieces but the model "
-                                  f"expects vocab_size {config.vocab_size}")
-    return model, tokenizer
+    return model, read_tokenizer(path / TOKENIZER, config)
