@@ -9,24 +9,25 @@ from pathlib import Path
 from switchhead.errors import SwitchheadError
 
 
+def _nearest_existing(path: str | Path) -> Path:
+    """The closest ancestor of `path` that exists (the root at worst): where creating `path` starts."""
+    return next(p for p in Path(os.path.abspath(path)).parents if p.exists())
+
+
 def blocking_parent(path: str | Path) -> Path | None:
     """The nearest existing ancestor of `path` if it is not a directory (so `path` can never be created)."""
-    for parent in Path(os.path.abspath(path)).parents:
-        if parent.exists():
-            return None if parent.is_dir() else parent
-    return None
+    parent = _nearest_existing(path)
+    return None if parent.is_dir() else parent
 
 
 def check_creatable(path: str | Path, what: str) -> None:
     """A one-line error where creating `path` (and its missing parents) would fail: under a file, or in a
     directory this process cannot write."""
-    if (blocker := blocking_parent(path)) is not None:
-        raise SwitchheadError(f"{what} {path}: cannot be created, {blocker} is not a directory")
-    for parent in Path(os.path.abspath(path)).parents:
-        if parent.exists():
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise SwitchheadError(f"{what} {path}: cannot write in {parent} (permission denied)")
-            return
+    parent = _nearest_existing(path)
+    if not parent.is_dir():
+        raise SwitchheadError(f"{what} {path}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SwitchheadError(f"{what} {path}: cannot write in {parent} (permission denied)")
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
