@@ -246,7 +246,8 @@ def _check_resumable(out: Path) -> None:
 
 
 def _check_out_dir(out: Path, resume: bool) -> dict | None:
-    """Refuse directories we do not own; return the recorded run spec when resuming an existing run."""
+    """Refuse directories we do not own; return the recorded run spec when resuming an existing run (and refuse
+    --resume without a run and its checkpoint)."""
     if out.exists() and not out.is_dir():
         raise SwitchheadError(f"--out {out} exists and is not a directory")
     check_creatable(out, "--out")
@@ -256,6 +257,8 @@ def _check_out_dir(out: Path, resume: bool) -> dict | None:
             f"--out {out} is not empty and holds no switchhead training run; refusing to write into it"
         )
     if not run_file.is_file():
+        if resume:
+            raise _no_run_to_resume(out)
         return None
     try:
         spec = json.loads(run_file.read_text())
@@ -268,6 +271,7 @@ def _check_out_dir(out: Path, resume: bool) -> dict | None:
             f"--out {out} already holds a training run; pass --resume to continue it or "
             "choose another directory"
         )
+    _check_resumable(out)
     return spec
 
 
@@ -500,13 +504,8 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     base_config = opts.config if isinstance(opts.config, ModelConfig) else resolve_config(opts.config)
     data_files = check_data_files(opts.data, "training data")
     eval_files = check_data_files(opts.eval_data, "evaluation data") if opts.eval_data else []
-    old_spec = _check_out_dir(out, opts.resume)
+    old_spec = _check_out_dir(out, opts.resume)  # with --resume, a run with its checkpoint; else None
     ckpt_dir = out / CHECKPOINT_DIR
-    if opts.resume:
-        if old_spec is None:
-            raise _no_run_to_resume(out)
-        _check_resumable(out)
-    resuming = opts.resume  # _check_out_dir refuses an existing run without --resume
     _barrier()  # every rank has checked the directory before rank 0 starts writing into it
 
     # Tokenizer: the run's own copy when resuming; else the given one; else trained by rank 0 on the data.
@@ -571,7 +570,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     start_step, memory = 0, None
-    if resuming:
+    if opts.resume:
         state, opt_tensors, trainer_tensors = _read_resume_state(ckpt_dir, model, opt, config, opts.batch_size)
         if state.get("scaler"):
             try:
