@@ -213,3 +213,13 @@ def test_non_finite_config_values(corpus, tmp_path, key, value):
              "--batch-size", 2, "--cache-dir", tmp_path / "cache", "--no-progress")
     _assert_user_error(r, f"ModelConfig.{key}")
     assert not (tmp_path / "o").exists()
+
+
+def test_resume_refuses_steps_below_the_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    kept = _finished_run(out, corpus, tmp_path)
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 3), "at step 4, past --steps 3")
+    _assert_untouched(out, kept)
+    r = _run("--out", out, "--resume", "--steps", 4, "--no-progress")  # already complete: final/ as before
+    assert r.exit_code == 0, r.output
+    assert (out / "final" / "model.safetensors").read_bytes() == kept[0]

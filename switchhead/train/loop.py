@@ -578,6 +578,11 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise CheckpointError(f"cannot resume: the grad-scaler state in {ckpt_dir} is malformed: {e}") from None
         start_step = state["step"]
+        if start_step > opts.steps:
+            raise SwitchheadError(
+                f"cannot resume: the checkpoint in {ckpt_dir} is at step {start_step}, past --steps {opts.steps} "
+                "(training cannot go back; pass --steps above it to continue)"
+            )
         if "memory" in trainer_tensors:
             memory = trainer_tensors["memory"][:, my_lanes[0] : my_lanes[-1] + 1].to(device)
         if state.get("world_size") == world and f"rng.{rank}.cpu" in trainer_tensors:
