@@ -145,8 +145,9 @@ def train(ctx, **params):
     """
     from click.core import ParameterSource
 
-    from switchhead.train.loop import TrainOptions, resume_defaults
+    from switchhead.train.loop import TrainOptions
     from switchhead.train.loop import train as run_training
+    from switchhead.train.rundir import resume_defaults
 
     opts = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != ParameterSource.DEFAULT}
     opts["config"] = opts.pop("config_spec", None)

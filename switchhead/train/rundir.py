@@ -1,0 +1,226 @@
+"""The output directory of a training run, and what `--resume` reads from it.
+
+Layout of ``--out DIR``:
+
+- ``DIR/final/``: the finished model checkpoint (`switchhead.load` reads it), written at the last step.
+- ``DIR/checkpoint/``: the latest training state (also a loadable model checkpoint); `--resume` starts here.
+- ``DIR/run.json``: what defines the run (model config, data, tokenizer, optimisation settings); marks the
+  directory as ours and is compared on `--resume`.
+- ``DIR/tokenizer.model``: the tokenizer the run uses. ``DIR/metrics.jsonl``: one JSON object per log line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from switchhead.errors import CheckpointError, SwitchheadError
+from switchhead.fileio import check_creatable, write_atomic
+from switchhead.model.checkpoint import CONFIG
+from switchhead.model.checkpoint import load as load_checkpoint
+from switchhead.model.config import ModelConfig
+from switchhead.model.lm import TransformerLM
+from switchhead.train.data import file_digest
+from switchhead.train.state import (
+    TRAINER_STATE,
+    has_training_checkpoint,
+    optimizer_from_flat,
+    read_training_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from switchhead.train.loop import TrainOptions
+
+RUN_FILE, TOKENIZER_FILE, METRICS_FILE = "run.json", "tokenizer.model", "metrics.jsonl"
+FINAL_DIR, CHECKPOINT_DIR = "final", "checkpoint"
+RUN_FORMAT = "switchhead-train/1"
+
+
+def run_spec(opts: TrainOptions, config: ModelConfig, tok_fp: str, data: list[Path], world: int) -> dict:
+    """What defines a run: resuming with any of these changed would not continue the same run."""
+    return {
+        "format": RUN_FORMAT,
+        "model_config": config.to_dict(),
+        "tokenizer_sha256": tok_fp,
+        "data": [{"path": str(p.resolve()), "sha256": file_digest(p)} for p in data],
+        "batch_size": opts.batch_size,
+        "lr": opts.lr,
+        "warmup": opts.warmup,
+        "seed": opts.seed,
+        "unwrap": opts.unwrap,
+        "world_size": world,
+        # Informational (not compared): lets `--resume` without flags continue with the same settings.
+        "options": {k: getattr(opts, k) for k in _RESUMABLE},
+        "eval_data": [str(Path(p).resolve()) for p in opts.eval_data],
+    }
+
+
+_RESUMABLE = (
+    "steps",
+    "batch_size",
+    "lr",
+    "warmup",
+    "grad_clip",
+    "eval_every",
+    "eval_batch_size",
+    "save_every",
+    "log_every",
+    "seed",
+    "vocab_size",
+    "cache_dir",
+    "unwrap",
+)
+
+
+def resume_defaults(out: str | Path) -> dict:
+    """The options of the run recorded in `out` (for `--resume` without repeating every flag).
+
+    A SwitchheadError when `out` holds no run: `--resume` has nothing to continue."""
+    run_file = Path(out) / RUN_FILE
+    if not run_file.is_file():
+        raise _no_run_to_resume(Path(out))
+    try:
+        spec = json.loads(run_file.read_text())
+        return {
+            **spec.get("options", {}),
+            "config": ModelConfig.from_dict(spec["model_config"]),
+            "data": [d["path"] for d in spec["data"]],
+            "eval_data": list(spec.get("eval_data", [])),
+        }
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
+
+
+def _no_run_to_resume(out: Path) -> SwitchheadError:
+    if not out.exists():
+        return SwitchheadError(f"cannot resume: {out} does not exist, so there is no run to resume in it")
+    return SwitchheadError(f"cannot resume: {out} holds no switchhead training run ({RUN_FILE} is missing)")
+
+
+def _check_resumable(out: Path) -> None:
+    """Refuse `--resume` unless OUT/checkpoint/ is there (a half-replaced one is pointed out, not repaired)."""
+    ckpt_dir = out / CHECKPOINT_DIR
+    if ckpt_dir.is_dir():
+        if not has_training_checkpoint(ckpt_dir):
+            raise CheckpointError(
+                f"cannot resume: {ckpt_dir} is not a training checkpoint ({TRAINER_STATE} is missing)"
+            )
+        return
+    aside = sorted(
+        (p for p in out.glob(f".{CHECKPOINT_DIR}.old-*") if p.is_dir()), key=lambda p: p.stat().st_mtime
+    )
+    if aside:
+        raise CheckpointError(
+            f"cannot resume: {ckpt_dir} is missing but {aside[-1]} holds the previous checkpoint (a crash "
+            f"interrupted its replacement); rename {aside[-1]} to {ckpt_dir} and resume again"
+        )
+    raise CheckpointError(f"cannot resume: {out} has no {CHECKPOINT_DIR}/ to resume from")
+
+
+def check_out_dir(out: Path, resume: bool) -> dict | None:
+    """Refuse directories we do not own; return the recorded run spec when resuming an existing run (and refuse
+    --resume without a run and its checkpoint)."""
+    if out.exists() and not out.is_dir():
+        raise SwitchheadError(f"--out {out} exists and is not a directory")
+    check_creatable(out, "--out")
+    run_file = out / RUN_FILE
+    if out.is_dir() and any(out.iterdir()) and not run_file.is_file():
+        raise SwitchheadError(
+            f"--out {out} is not empty and holds no switchhead training run; refusing to write into it"
+        )
+    if not run_file.is_file():
+        if resume:
+            raise _no_run_to_resume(out)
+        return None
+    try:
+        spec = json.loads(run_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
+    if not isinstance(spec, dict) or spec.get("format") != RUN_FORMAT:
+        raise SwitchheadError(f"{run_file} is not a switchhead training run record")
+    if not resume:
+        raise SwitchheadError(
+            f"--out {out} already holds a training run; pass --resume to continue it or "
+            "choose another directory"
+        )
+    _check_resumable(out)
+    return spec
+
+
+def compare_specs(old: dict, new: dict) -> None:
+    old = {"unwrap": False, **old}  # runs recorded before the option existed read their text verbatim
+    # The tokenizer comes from the run when resuming, so a changed --vocab-size would be silently ignored.
+    old_vocab = (old.get("options") or {}).get("vocab_size")
+    if old_vocab is not None and old_vocab != new["options"]["vocab_size"]:
+        raise SwitchheadError(
+            f"cannot resume: vocab size changed since the run started ({old_vocab!r} -> "
+            f"{new['options']['vocab_size']!r}); the run keeps its tokenizer"
+        )
+    for key in ("model_config", "tokenizer_sha256", "data", "batch_size", "lr", "warmup", "seed", "unwrap"):
+        if old.get(key) != new.get(key):
+            if key == "model_config":
+                a, b = old[key], new[key]
+                diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff)
+            elif key == "data":
+                detail = "the data files or their contents differ"
+            else:
+                detail = f"{old.get(key)!r} -> {new.get(key)!r}"
+            raise SwitchheadError(
+                f"cannot resume: {key.replace('_', ' ')} changed since the run started ({detail})"
+            )
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=1))
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop log lines past `step` (written by a run killed after its last checkpoint; they will be redone)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by the kill
+    write_atomic(path, "".join(k + "\n" for k in keep))
+
+
+
+def read_resume_state(
+    ckpt_dir: Path, model: TransformerLM, opt: torch.optim.Optimizer, config: ModelConfig, batch_size: int
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Load the weights and optimizer state of the training checkpoint into `model` and `opt`, validating
+    every file first; return (state JSON, optimizer tensors, trainer tensors). Anything that does not fit the
+    run is a CheckpointError naming what is wrong."""
+    try:
+        state, opt_tensors, trainer_tensors = read_training_checkpoint(ckpt_dir)
+        # The validating model loader: a missing, corrupt or mis-shaped model.safetensors is refused with the
+        # reason (and never half-loaded into `model`).
+        saved, _ = load_checkpoint(ckpt_dir, device=next(model.parameters()).device, dtype=None)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot resume: {e}") from None
+    if saved.config != config:
+        a, b = saved.config.to_dict(), config.to_dict()
+        diff = ", ".join(f"{k}: {a[k]!r} (checkpoint) vs {b[k]!r} (run)" for k in a if k != "name" and a[k] != b[k])
+        raise CheckpointError(f"cannot resume: {ckpt_dir / CONFIG} does not match the run's model config ({diff})")
+    mem = trainer_tensors.get("memory")
+    if mem is not None and (
+        mem.dim() != 4 or (mem.shape[0], mem.shape[1], mem.shape[3]) != (config.n_layers, batch_size, config.d_model)
+    ):
+        raise CheckpointError(
+            f"cannot resume: the memory in {ckpt_dir} has shape {tuple(mem.shape)}, expected "
+            f"({config.n_layers}, {batch_size}, M, {config.d_model})"
+        )
+    try:
+        optimizer_from_flat(opt, opt_tensors, state["optimizer"])
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot resume from {ckpt_dir}: {e}") from None
+    model.load_state_dict(saved.state_dict())
+    return state, opt_tensors, trainer_tensors
