@@ -341,6 +341,18 @@ def test_cli_runs_and_writes_results(env, tmp_path):
     assert saved["results"]["switchhead_lambada"]["sample_len"] == 3
 
 
+def test_eval_outside_a_git_repository_prints_no_git_error(env, tmp_path, monkeypatch, capfd):
+    # lm-eval runs `git describe` in the current directory to record a commit; git's complaint outside a
+    # repository must not reach the user's terminal.
+    ckpt, d, _, _ = env
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(d), "--limit", "2", "--no-progress")
+    assert r.exit_code == 0, r.output
+    err = capfd.readouterr().err
+    assert "not a git repository" not in err and "fatal" not in err, err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "lambada,squad"], "unknown task(s) squad"),
     (["--tasks", ""], "no task given"),

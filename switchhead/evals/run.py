@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import subprocess
 from pathlib import Path
+from unittest import mock
 
 from switchhead.errors import SwitchheadError
 from switchhead.evals import data
@@ -74,14 +77,33 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
 
     # lm-eval logs a warning per task for custom datasets and per-request details at INFO.
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir), limit=limit,
-        bootstrap_iters=bootstrap_iters, log_samples=False)
+    with _quiet_git_hash():
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir), limit=limit,
+            bootstrap_iters=bootstrap_iters, log_samples=False)
     if results is None:  # non-zero ranks under torch.distributed
         return {}
     if output is not None:
         write_atomic(output, json.dumps(results, indent=2, default=_jsonable))
     return results
+
+
+def _quiet_git_hash():
+    """lm-eval records the git commit of the current directory by running `git describe` with the terminal as
+    its stderr, so outside a repository every evaluation printed git's "fatal: not a git repository". Same
+    command, same result, stderr dropped (None where there is no repository or no git)."""
+    import lm_eval.evaluator
+
+    def git_hash() -> str | None:
+        try:
+            done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return done.stdout.strip()
+
+    if not hasattr(lm_eval.evaluator, "get_git_commit_hash"):  # a later lm-eval without the call
+        return contextlib.nullcontext()
+    return mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", git_hash)
 
 
 def _jsonable(o):
