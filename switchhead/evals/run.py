@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import subprocess
 from pathlib import Path
 from unittest import mock
+
+from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
 from switchhead.evals import data
@@ -77,7 +80,7 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
 
     # lm-eval logs a warning per task for custom datasets and per-request details at INFO.
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    with _quiet_git_hash():
+    with _quiet_lm_eval():
         results = lm_eval.simple_evaluate(
             model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir), limit=limit,
             bootstrap_iters=bootstrap_iters, log_samples=False)
@@ -88,10 +91,15 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
     return results
 
 
-def _quiet_git_hash():
-    """lm-eval records the git commit of the current directory by running `git describe` with the terminal as
-    its stderr, so outside a repository every evaluation printed git's "fatal: not a git repository". Same
-    command, same result, stderr dropped (None where there is no repository or no git)."""
+def _quiet_lm_eval() -> contextlib.ExitStack:
+    """Two things lm-eval would print on the terminal that say nothing about our evaluation:
+
+    - it records the git commit of the current directory by running `git describe` with the terminal as its
+      stderr, so outside a repository every evaluation printed git's "fatal: not a git repository". Same
+      command and result here, stderr dropped (None where there is no repository or no git);
+    - building each task's requests shows an unlabelled progress bar per task, even with --no-progress (72
+      for lambada + blimp + cbt, each over in milliseconds); the model's own bar reports the real work."""
+    import lm_eval.api.task
     import lm_eval.evaluator
 
     def git_hash() -> str | None:
@@ -101,9 +109,12 @@ def _quiet_git_hash():
             return None
         return done.stdout.strip()
 
-    if not hasattr(lm_eval.evaluator, "get_git_commit_hash"):  # a later lm-eval without the call
-        return contextlib.nullcontext()
-    return mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", git_hash)
+    stack = contextlib.ExitStack()
+    for module, name, quiet in ((lm_eval.evaluator, "get_git_commit_hash", git_hash),
+                                (lm_eval.api.task, "tqdm", functools.partial(tqdm, disable=True))):
+        if hasattr(module, name):  # a later lm-eval may have dropped or renamed it: then nothing to quieten
+            stack.enter_context(mock.patch.object(module, name, quiet))
+    return stack
 
 
 def _jsonable(o):
