@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 from switchhead.errors import SwitchheadError
 from switchhead.runtime.backends import TorchBackend
 from switchhead.runtime.engine import Generator
-from switchhead.runtime.sampling import SamplingParams, seed_plus
+from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -95,7 +94,7 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
         for p in prompts:  # fail before spending time on the earlier batches
             gen.encode(p)
         # Seeds follow the line number, so results do not depend on --batch-size; seed + i wraps modulo 2**64.
-        base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        base = seed_or_random(params.seed)
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
             seeds = [seed_plus(base, start + i) for i in range(len(batch))]

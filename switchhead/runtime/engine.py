@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +12,7 @@ from torch import Tensor
 from switchhead.errors import SwitchheadError
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
-from switchhead.runtime.sampling import SamplingParams, check_utf8, choose, valid_seed
+from switchhead.runtime.sampling import SamplingParams, check_seed, check_utf8, choose, seed_or_random
 
 # Tokens of context kept in front of new ids when detokenising incrementally: enough that the first new piece
 # keeps its leading space (SentencePiece drops a leading '▁' at the start of a decode) and that byte-fallback
@@ -206,13 +205,11 @@ class Generator:
             raise SwitchheadError("an empty prompt needs a tokenizer with an EOS id to start from")
         prompts = prompts if prompts is not None else [self.sp.decode(ids) for ids in encoded]
         if seeds is None:
-            base = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-            seeds = [base] * len(prompts)
+            seeds = [seed_or_random(params.seed)] * len(prompts)
         if len(seeds) != len(prompts):
             raise SwitchheadError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
         for s in seeds:
-            if not valid_seed(s):
-                raise SwitchheadError(f"seed must be an integer in [0, 2**64 - 1], got {s!r}")
+            check_seed(s)
         results = [Generation(p, prompt_tokens=len(ids), seed=int(s)) for p, ids, s in zip(prompts, encoded, seeds)]
         return self._run(encoded, params, results, on_text)
 

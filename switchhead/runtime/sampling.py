@@ -13,6 +13,7 @@ modulo 2**64, so every seed the user may give works with any number of prompts o
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -23,8 +24,14 @@ from switchhead.errors import SwitchheadError
 SEED_LIMIT = 1 << 64  # seeds are in [0, SEED_LIMIT): torch.Generator.manual_seed overflows beyond
 
 
-def valid_seed(seed) -> bool:
-    return isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < SEED_LIMIT
+def check_seed(seed) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+        raise SwitchheadError(f"seed must be an integer in [0, 2**64 - 1], got {seed!r}")
+
+
+def seed_or_random(seed: int | None) -> int:
+    """`seed`, or a fresh random one where none was given."""
+    return seed if seed is not None else int.from_bytes(os.urandom(4), "little")
 
 
 def seed_plus(seed: int, i: int) -> int:
@@ -74,8 +81,8 @@ class SamplingParams:
             raise SwitchheadError("stop strings must be non-empty")
         for i, s in enumerate(self.stop):  # generated text is always valid UTF-8: such a stop could never match
             check_utf8(s, f"stop string {i}")
-        if self.seed is not None and not valid_seed(self.seed):
-            raise SwitchheadError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if self.seed is not None:
+            check_seed(self.seed)
 
 
 def _finite(x) -> bool:

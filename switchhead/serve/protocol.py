@@ -8,13 +8,12 @@ to users as is.
 from __future__ import annotations
 
 import math
-import os
 import time
 import uuid
 from dataclasses import dataclass, replace
 
 from switchhead.errors import SwitchheadError
-from switchhead.runtime.sampling import SamplingParams, seed_plus
+from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
 
 # The engine reports "eos" when the model ends the text; OpenAI calls every natural end "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -166,9 +165,7 @@ def parse_completion(body, model_name: str, limits: Limits, encode) -> Completio
     if options is not None and not isinstance(options, dict):
         raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
     include_usage = bool((options or {}).get("include_usage", False))
-    seed = _get(body, "seed", "int", None)
-    if seed is None:
-        seed = int.from_bytes(os.urandom(4), "little")
+    seed = seed_or_random(_get(body, "seed", "int", None))
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=_get(body, "temperature", "num", 1.0), top_k=top_k,
