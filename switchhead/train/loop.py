@@ -37,14 +37,13 @@ from switchhead.train.rundir import (
     CHECKPOINT_DIR,
     FINAL_DIR,
     METRICS_FILE,
-    RUN_FILE,
     TOKENIZER_FILE,
     check_out_dir,
     compare_specs,
     read_resume_state,
     run_spec,
     truncate_metrics,
-    write_json_atomic,
+    write_run_spec,
 )
 from switchhead.train.schedule import lr_at
 from switchhead.train.state import write_training_checkpoint
@@ -360,7 +359,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         if not tok_path.is_file():
             save_tokenizer(sp, tok_path)
         if old_spec is None:
-            write_json_atomic(out / RUN_FILE, spec)
+            write_run_spec(out, spec)
     _barrier()
 
     # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's); dropout then
@@ -375,7 +374,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
 
     start_step, memory = 0, None
     if opts.resume:
-        state, opt_tensors, trainer_tensors = read_resume_state(ckpt_dir, model, opt, config, opts.batch_size)
+        state, trainer_tensors = read_resume_state(ckpt_dir, model, opt, config, opts.batch_size)
         if state.get("scaler"):
             try:
                 scaler.load_state_dict(state["scaler"])

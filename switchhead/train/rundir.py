@@ -162,9 +162,7 @@ def compare_specs(old: dict, new: dict) -> None:
     for key in ("model_config", "tokenizer_sha256", "data", "batch_size", "lr", "warmup", "seed", "unwrap"):
         if old.get(key) != new.get(key):
             if key == "model_config":
-                a, b = old[key], new[key]
-                diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-                detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff)
+                detail = _changes(old[key], new[key])
             elif key == "data":
                 detail = "the data files or their contents differ"
             else:
@@ -174,8 +172,14 @@ def compare_specs(old: dict, new: dict) -> None:
             )
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    write_atomic(path, json.dumps(obj, indent=1))
+def _changes(a: dict, b: dict, skip: tuple[str, ...] = ()) -> str:
+    """`key: a -> b` for every key whose value differs between the two config dicts."""
+    keys = sorted(k for k in set(a) | set(b) if k not in skip and a.get(k) != b.get(k))
+    return ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys)
+
+
+def write_run_spec(out: Path, spec: dict) -> None:
+    write_atomic(out / RUN_FILE, json.dumps(spec, indent=1))
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -195,9 +199,9 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 def read_resume_state(
     ckpt_dir: Path, model: TransformerLM, opt: torch.optim.Optimizer, config: ModelConfig, batch_size: int
-) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Load the weights and optimizer state of the training checkpoint into `model` and `opt`, validating
-    every file first; return (state JSON, optimizer tensors, trainer tensors). Anything that does not fit the
+    every file first; return (state JSON, trainer tensors). Anything that does not fit the
     run is a CheckpointError naming what is wrong."""
     try:
         state, opt_tensors, trainer_tensors = read_training_checkpoint(ckpt_dir)
@@ -207,9 +211,10 @@ def read_resume_state(
     except CheckpointError as e:
         raise CheckpointError(f"cannot resume: {e}") from None
     if saved.config != config:
-        a, b = saved.config.to_dict(), config.to_dict()
-        diff = ", ".join(f"{k}: {a[k]!r} (checkpoint) vs {b[k]!r} (run)" for k in a if k != "name" and a[k] != b[k])
-        raise CheckpointError(f"cannot resume: {ckpt_dir / CONFIG} does not match the run's model config ({diff})")
+        diff = _changes(saved.config.to_dict(), config.to_dict(), skip=("name",))
+        raise CheckpointError(
+            f"cannot resume: {ckpt_dir / CONFIG} does not match the run's model config (checkpoint -> run: {diff})"
+        )
     mem = trainer_tensors.get("memory")
     if mem is not None and (
         mem.dim() != 4 or (mem.shape[0], mem.shape[1], mem.shape[3]) != (config.n_layers, batch_size, config.d_model)
@@ -223,4 +228,4 @@ def read_resume_state(
     except CheckpointError as e:
         raise CheckpointError(f"cannot resume from {ckpt_dir}: {e}") from None
     model.load_state_dict(saved.state_dict())
-    return state, opt_tensors, trainer_tensors
+    return state, trainer_tensors
