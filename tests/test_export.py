@@ -317,6 +317,17 @@ def _edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(d))
 
 
+def _edit_layout(d: Path, change) -> None:
+    path = d / "layout.json"
+    layout = json.loads(path.read_text())
+    change(layout)
+    path.write_text(json.dumps(layout))
+
+
+def _logits_vocab_7(layout: dict) -> None:
+    layout["outputs"][0]["shape"][2] = 7
+
+
 DAMAGE = {
     "no config": (lambda d: (d / "config.json").unlink(), "config.json is missing"),
     "config not JSON": (lambda d: (d / "config.json").write_text("{bad"), "config.json: config is not valid JSON"),
@@ -328,6 +339,25 @@ DAMAGE = {
     "layout not JSON": (lambda d: (d / "layout.json").write_text("{bad"), "layout.json is not readable JSON"),
     "layout a list": (lambda d: (d / "layout.json").write_text("[]"), "layout.json is not a JSON object"),
     "layout claims fp16": (lambda d: _edit_json(d / "layout.json", dtype="fp16"), r"is tensor\(float\), expected"),
+    # Neither changes the graph's interface, but the runtime would roll its cache at the wrong point.
+    "config with another chunk_len": (lambda d: _edit_json(d / "config.json", chunk_len=8),
+                                      "layout.json memory.chunk_len is 16, but config.json gives 8"),
+    "config without memory": (lambda d: _edit_json(d / "config.json", mem_chunks=0),
+                              "layout.json memory.mem_chunks is 1, but config.json gives 0"),
+    "layout with another window": (lambda d: _edit_layout(d, lambda x: x["memory"].update(window=64)),
+                                   "layout.json memory.window is 64, but config.json gives 32"),
+    "layout without memory": (lambda d: _edit_layout(d, lambda x: x.pop("memory")), "layout.json memory is missing"),
+    "layout with another vocabulary": (lambda d: _edit_layout(d, _logits_vocab_7),
+                                       r"layout.json outputs\[0\].shape\[2\] is 7, but config.json gives \d+"),
+    "layout dtype fp64": (lambda d: _edit_json(d / "layout.json", dtype="fp64"),
+                          "layout.json has dtype 'fp64'; an export's dtype is one of fp32, fp16"),
+    "layout dtype a list": (lambda d: _edit_json(d / "layout.json", dtype=["fp32"]), r"has dtype \['fp32'\]"),
+    "layout quantize int4": (lambda d: _edit_json(d / "layout.json", quantize="int4"),
+                             "layout.json has quantize 'int4'; an export's quantize is null or one of int8"),
+    "layout int8 fp16": (lambda d: _edit_json(d / "layout.json", dtype="fp16", quantize="int8"),
+                         "only fp32 exports are quantised"),
+    "layout opset 17": (lambda d: _edit_json(d / "layout.json", opset=17),
+                        "layout.json opset is 17, but a switchhead-onnx/1 export has 18"),
     "another tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(
         word_tokenizer(WORDS, vocab_size=280).serialized_model_proto()), "pieces but the model expects vocab_size"),
     "corrupt tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(b"\x00garbage"), "tokenizer.model is corrupt"),

@@ -350,6 +350,15 @@ BAD = [
     ({"prompt": "the", "n": 1000}, "invalid_value", "n"),
     ({"prompt": "the", "echo": True}, "unsupported_parameter", "echo"),
     ({"prompt": "the", "stream": "yes"}, "invalid_type", "stream"),
+    # JSON that Python's parser refuses: over its 4300-digit integer limit, deeper than its recursion limit.
+    (b'{"prompt": "the", "n": ' + b"1" * 5000 + b"}", "invalid_json", None),
+    (b"[" * 5000 + b"]" * 5000, "invalid_json", None),
+    ({"prompt": "the", "temperature": 10**400}, "invalid_type", "temperature"),  # valid JSON, no float
+    ({"prompt": "the", "stream": True, "stream_options": {"include_usage": "no"}}, "invalid_type",
+     "stream_options.include_usage"),
+    ({"prompt": "the", "stream_options": {"include_usage": 1}}, "invalid_type", "stream_options.include_usage"),
+    ({"prompt": "the", "echo": 0}, "invalid_type", "echo"),  # == False in Python, but not a boolean
+    ({"prompt": "the", "best_of": True}, "invalid_type", "best_of"),
 ]
 
 
@@ -363,6 +372,16 @@ def test_bad_request_is_400_with_openai_error(url, body, code, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["code"] == code and err["param"] == param
     assert err["message"]
+
+
+def test_array_nested_as_deep_as_the_parser_allows_is_400(url):
+    """Quoting such a value in the error message (repr) would recurse deeper than parsing it did."""
+    with httpx.Client(base_url=url) as c:
+        for depth in range(1000, 0, -1):
+            r = c.post("/v1/completions", content=b'{"prompt": "the", "n": ' + b"[" * depth + b"]" * depth + b"}")
+            if r.status_code != 400 or r.json()["error"]["code"] != "invalid_json":
+                break
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and depth > 100, (depth, r.text)
 
 
 def test_other_errors_have_openai_shape(url, client):
@@ -398,6 +417,15 @@ def test_many_bad_requests_then_a_good_one(url, client, ref):
 def test_cli_bad_options_are_one_line_exit_2(args, message):
     r = CliRunner().invoke(main, ["serve", *args])
     assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("max_batch,message", [
+    (10**11, "the KV cache for --max-batch 100000000000 needs 1638400000000000 bytes"),  # malloc fails at once
+    (10**30, "more than 2**63 bytes"),  # past torch's int64 sizes
+])
+def test_cli_max_batch_too_large_for_memory_is_one_line_exit_2(ckpt, max_batch, message):
+    r = CliRunner().invoke(main, ["serve", "--ckpt", ckpt, "--port", "0", "--max-batch", str(max_batch)])
+    assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 def test_cli_address_that_cannot_be_listened_on_is_one_line_exit_2(ckpt):

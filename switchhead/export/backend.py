@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from switchhead.errors import SwitchheadError
-from switchhead.export import schema
+from switchhead.export import exporter, schema
 from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE, layout
 from switchhead.model.checkpoint import read_config, read_tokenizer
 from switchhead.runtime.backends import Backend
@@ -64,15 +64,35 @@ class OnnxBackend(Backend):
         if not (path / CONFIG_FILE).is_file():
             raise SwitchheadError(f"{path} is not a complete switchhead ONNX export: {CONFIG_FILE} is missing")
         self.config = read_config(path / CONFIG_FILE)
+        dtype, quantize = self.layout.get("dtype"), self.layout.get("quantize")
+        if not isinstance(dtype, str) or dtype not in exporter.DTYPES:
+            raise SwitchheadError(f"{path}: {LAYOUT_FILE} has dtype {_show(dtype)}; an export's dtype is one of "
+                                  f"{', '.join(exporter.DTYPES)}")
+        if quantize is not None and (not isinstance(quantize, str) or quantize not in exporter.QUANTIZE):
+            raise SwitchheadError(f"{path}: {LAYOUT_FILE} has quantize {_show(quantize)}; an export's quantize is "
+                                  f"null or one of {', '.join(exporter.QUANTIZE)}")
+        if quantize is not None and dtype != "fp32":
+            raise SwitchheadError(f"{path}: {LAYOUT_FILE} has quantize {quantize!r} with dtype {dtype!r}; only fp32 "
+                                  "exports are quantised")
+        want = layout(self.config, dtype, quantize)
+        fixed, derived = _facts(want)
+        if diff := _diff(self.layout, fixed):
+            field, have, expected = diff
+            raise SwitchheadError(f"{path}: {LAYOUT_FILE} {field} is {have}, but a {FORMAT} export has {expected}")
         schema.register_schema()
         self.session = _session(path / MODEL_FILE, providers, threads)
-        want = layout(self.config, self.layout.get("dtype"), self.layout.get("quantize"))
         if mismatch := _interface_mismatch(self.session, want):
             raise SwitchheadError(f"{path}: {MODEL_FILE} {mismatch}, so {CONFIG_FILE} and {LAYOUT_FILE} do not "
                                   f"belong to it")
+        # The runtime sizes and rolls its cache by config.json alone, so a layout that disagrees with it (an
+        # edited chunk_len or mem_chunks, or files of two exports) would run the graph with the wrong window.
+        if diff := _diff(self.layout, derived):
+            field, have, expected = diff
+            raise SwitchheadError(f"{path}: {LAYOUT_FILE} {field} is {have}, but {CONFIG_FILE} gives {expected}, "
+                                  "so the two do not belong together")
         self.providers = self.session.get_providers()
         self.device = torch.device("cpu")
-        self.dtype = torch.float16 if self.layout.get("dtype") == "fp16" else torch.float32
+        self.dtype = exporter.DTYPES[dtype]
         self.tokenizer = read_tokenizer(path / TOKENIZER_FILE, self.config)
         n = self.config.n_layers
         self._past = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(n)]
@@ -112,6 +132,43 @@ def _json_object(path: Path) -> dict:
     if not isinstance(d, dict):
         raise SwitchheadError(f"{path} is not a JSON object")
     return d
+
+
+def _facts(want: dict) -> tuple[dict, dict]:
+    """The checkable parts of a `layout()`: those fixed by the format, and those derived from the config (the
+    rest is prose for readers)."""
+    fixed = {"model_file": want["model_file"], "opset": want["opset"], "dynamic_axes": want["dynamic_axes"],
+             "custom_ops": [{k: op[k] for k in ("domain", "version", "name")} for op in want["custom_ops"]]}
+    derived = {"memory": {k: v for k, v in want["memory"].items() if not isinstance(v, str)},
+               **{kind: [{k: io[k] for k in ("name", "dtype", "shape")} for io in want[kind]]
+                  for kind in ("inputs", "outputs")}}
+    return fixed, derived
+
+
+_MISSING = object()
+
+
+def _diff(have, want, field: str = "") -> tuple[str, str, str] | None:
+    """The first place (dotted field, what `have` and `want` hold there, for a message) where `have` lacks or differs
+    from `want`; keys `want` does not have are not compared."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        for key, value in want.items():
+            if diff := _diff(have.get(key, _MISSING), value, f"{field}.{key}" if field else key):
+                return diff
+        return None
+    if isinstance(want, list) and isinstance(have, list) and len(have) == len(want):
+        for i, (h, w) in enumerate(zip(have, want)):
+            if diff := _diff(h, w, f"{field}[{i}]"):
+                return diff
+        return None
+    if type(have) is type(want) and have == want and not isinstance(want, (dict, list)):
+        return None
+    return field, "missing" if have is _MISSING else _show(have), _show(want)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _interface_mismatch(session, want: dict) -> str | None:

@@ -175,6 +175,12 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
             return json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise P.bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        # Valid JSON that Python's parser refuses: past the interpreter's recursion limit, or an integer over
+        # its 4300-digit conversion limit (a plain ValueError whose advice, set_int_max_str_digits, is ours).
+        except RecursionError:
+            raise P.bad("the request body is nested too deeply", None, "invalid_json") from None
+        except ValueError:
+            raise P.bad("the request body has a number with too many digits", None, "invalid_json") from None
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -77,17 +77,37 @@ def _is_int(x) -> bool:
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer beyond float range (JSON allows ~4300 digits)
+        return False
 
 
-def _get(body: dict, name: str, kind: str, default):
+_KINDS = {"int": (_is_int, "an integer"), "num": (_is_num, "a finite number"),
+          "bool": (lambda v: isinstance(v, bool), "a boolean"), "str": (lambda v: isinstance(v, str), "a string"),
+          "object": (lambda v: isinstance(v, dict), "an object")}
+
+
+def _show(value) -> str:
+    # A body may hold a 4000-digit number, a megabyte string or an array nested too deep for repr: quote only
+    # the start of scalars, and name containers.
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _get(body: dict, name: str, kind: str, default, param: str | None = None):
+    """body[name] if it is of `kind`, `default` if absent or null; `param` is the API's name for the field."""
     value = body.get(name)
     if value is None:
         return default
-    ok = {"int": _is_int, "num": _is_num, "bool": lambda v: isinstance(v, bool)}[kind](value)
-    if not ok:
-        what = {"int": "an integer", "num": "a finite number", "bool": "a boolean"}[kind]
-        raise bad(f"'{name}' must be {what}, got {value!r}", name, "invalid_type")
+    ok, what = _KINDS[kind]
+    if not ok(value):
+        param = param or name
+        raise bad(f"'{param}' must be {what}, got {_show(value)}", param, "invalid_type")
     return value
 
 
@@ -104,9 +124,11 @@ def parse_completion(body, model_name: str, limits: Limits, encode) -> Completio
     if model is not None and model != model_name:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
                        "invalid_request_error", "model", "model_not_found")
-    for name, neutral in (("echo", False), ("suffix", None), ("best_of", 1), ("presence_penalty", 0),
-                          ("frequency_penalty", 0), ("logit_bias", {})):
-        value = body.get(name)
+    for name, kind, neutral in (("echo", "bool", False), ("suffix", "str", None), ("best_of", "int", 1),
+                                ("presence_penalty", "num", 0), ("frequency_penalty", "num", 0),
+                                ("logit_bias", "object", {})):
+        # Typed first: `echo: 0` or `best_of: true` equal the neutral value in Python but are not valid.
+        value = _get(body, name, kind, None)
         if value is not None and value != neutral:
             raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
@@ -159,12 +181,12 @@ def parse_completion(body, model_name: str, limits: Limits, encode) -> Completio
         raise bad(f"at most {MAX_STOPS} stop strings", "stop")
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-        raise bad(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
+        raise bad(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {_show(logprobs)}", "logprobs")
     stream = _get(body, "stream", "bool", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
-    include_usage = bool((options or {}).get("include_usage", False))
+    include_usage = _get(options or {}, "include_usage", "bool", False, "stream_options.include_usage")
     seed = seed_or_random(_get(body, "seed", "int", None))
     try:
         params = SamplingParams(

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from switchhead.errors import SwitchheadError
+from switchhead.model.accounting import kv_cache_bytes_per_token
 from switchhead.runtime.engine import Detokenizer, Generator, StopText, feed
 from switchhead.runtime.sampling import SamplingParams, choose
 
@@ -97,6 +99,22 @@ class _Row:
     raw: int = 0  # characters released by the detokenizer so far (before stop-string cutting)
 
 
+def _allocate_cache(backend, max_batch: int):
+    """The server's cache, allocated once at start; too large a --max-batch is one line, not torch's trace."""
+    cfg = backend.config
+    nbytes = max_batch * 2 * cfg.chunk_len * kv_cache_bytes_per_token(
+        cfg, torch.empty((), dtype=backend.dtype).element_size())
+    if nbytes >= 2**63:  # torch sizes are int64 (past that it raises TypeError); no machine has this much
+        raise SwitchheadError(f"the KV cache for --max-batch {max_batch} would need more than 2**63 bytes; "
+                              "lower --max-batch")
+    try:
+        return backend.new_cache(max_batch)
+    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError (CUDA) is a RuntimeError
+        raise SwitchheadError(f"the KV cache for --max-batch {max_batch} needs {nbytes} bytes "
+                              f"({nbytes / 2**30:.4g} GiB), which could not be allocated on {backend.device}; "
+                              "lower --max-batch") from None
+
+
 class Scheduler:
     """Owns the cache and the model; `submit` and `cancel` may be called from any thread."""
 
@@ -105,7 +123,7 @@ class Scheduler:
             raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         self.gen, self.backend = generator, generator.backend
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.cache = self.backend.new_cache(max_batch)
+        self.cache = _allocate_cache(self.backend, max_batch)
         self.rows: list[_Row | None] = [None] * max_batch
         self.pending: deque[Job] = deque()
         self.busy = 0  # rows in use; read by submit under the lock, written by the scheduler thread under it
