@@ -28,10 +28,13 @@ import torch
 from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
+from switchhead.fileio import atomic_directory, check_output_dir
+from switchhead.runtime.sampling import check_utf8
 
 DEFAULT_WINDOW = 64
 JSON_NAME = "attention.json"
 INDEX_NAME = "index.html"
+_TITLE = "<title>switchhead inspect</title>"  # also how an earlier report is recognised
 _CELL_IN = 0.15  # inches per token cell: 6 pt labels fit without overlapping
 
 
@@ -423,7 +426,7 @@ def render(cfg, pieces: list[str], chunks: list[ChunkTrace], heads: list[int], o
               "MoA: one attention map per selected-expert slot; the O strip shows that slot's expert and gate."
               if moa else "")
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>switchhead inspect</title>
+<html><head><meta charset="utf-8">{_TITLE}
 <style>
 body {{ font-family: sans-serif; margin: 1em 2em; }}
 img {{ max-width: 100%; border: 1px solid #ddd; margin: 2px; vertical-align: top; }}
@@ -463,18 +466,21 @@ def read_text(text: str | None, text_file: str | Path | None) -> str:
             raise SwitchheadError(f"cannot read text file {text_file}: {e}") from None
     if not text.strip():
         raise SwitchheadError("the text to inspect is empty")
+    check_utf8(text, "the text to inspect")  # SentencePiece cannot take lone surrogates
     return text
 
 
+def is_report(path: Path) -> bool:
+    """An earlier report of `inspect`: its index.html, figures and JSON, nothing else."""
+    return ((path / INDEX_NAME).is_file()
+            and all(p.is_file() and (p.suffix == ".png" or p.name in (INDEX_NAME, JSON_NAME)) for p in path.iterdir())
+            and _TITLE in (path / INDEX_NAME).read_text(encoding="utf-8", errors="replace"))
+
+
 def prepare_out(out: str | Path) -> Path:
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise SwitchheadError(f"output path {out} exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SwitchheadError(f"cannot create output directory {out}: {e}") from None
-    return out
+    """`out` as a Path, if the report may go there: a new or empty directory, or an earlier report (which is
+    replaced as a whole, so no figure of it is left behind)."""
+    return check_output_dir(out, is_report, "an earlier inspect report")
 
 
 def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[int] | None = None,
@@ -490,16 +496,17 @@ def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[
         raise SwitchheadError("the text to inspect is empty")
     heads = _check_range(list(heads) if heads is not None else None, n_maps(cfg), "head")
     layers = _check_range(list(layers) if layers is not None else None, cfg.n_layers, "layer")
+    check_utf8(text, "the text to inspect")
     out = prepare_out(out)
     ids = tokenizer.encode(text)
     pieces = [tokenizer.id_to_piece(i) for i in ids]
     chunks = collect(model, ids, layers)
-    index, figures = render(cfg, pieces, chunks, heads, out, window, progress)
-    json_path = None
-    if write_json:
-        json_path = out / JSON_NAME
-        json_path.write_text(json.dumps(to_json(cfg, pieces, ids, chunks, heads)), encoding="utf-8")
-    return InspectResult(out, index, figures, json_path, len(ids), len(chunks), layers, heads, window)
+    with atomic_directory(out) as tmp:  # a crash or Ctrl-C mid-way leaves no half-drawn report
+        index, figures = render(cfg, pieces, chunks, heads, tmp, window, progress)
+        if write_json:
+            (tmp / JSON_NAME).write_text(json.dumps(to_json(cfg, pieces, ids, chunks, heads)), encoding="utf-8")
+    return InspectResult(out, out / index.name, [out / f.name for f in figures],
+                         out / JSON_NAME if write_json else None, len(ids), len(chunks), layers, heads, window)
 
 
 def run_inspect(ckpt: str | Path | None, text: str | None, text_file: str | Path | None, out: str | Path,
@@ -508,7 +515,6 @@ def run_inspect(ckpt: str | Path | None, text: str | None, text_file: str | Path
     """The `switchhead inspect` command: everything but printing (index lists are "0,2" strings)."""
     text = read_text(text, text_file)
     layer_list, head_list = parse_indices(layers, "layers"), parse_indices(heads, "heads")
-    if Path(out).exists() and not Path(out).is_dir():  # fail before the (slow) model load
-        raise SwitchheadError(f"output path {out} exists and is not a directory")
+    prepare_out(out)  # fail before the (slow) model load
     model, tokenizer = _load_model(ckpt)
     return inspect_text(model, tokenizer, text, out, layer_list, head_list, write_json, window, progress)

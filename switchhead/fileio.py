@@ -1,9 +1,16 @@
-"""Writing files so that a crash never leaves a half-written one, and finding out before slow work that a
-path cannot be written at all. (Whole directories: `switchhead.model.checkpoint.atomic_directory`.)"""
+"""Writing files and directories so that a crash never leaves a half-written one, finding out before slow work
+that a path cannot be written at all, and never replacing a directory that holds something we did not write.
+
+Failures of the file system (no space, read-only, permission) are `SwitchheadError`s: one line naming the
+path, not a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from switchhead.errors import SwitchheadError
@@ -14,12 +21,6 @@ def _nearest_existing(path: str | Path) -> Path:
     return next(p for p in Path(os.path.abspath(path)).parents if p.exists())
 
 
-def blocking_parent(path: str | Path) -> Path | None:
-    """The nearest existing ancestor of `path` if it is not a directory (so `path` can never be created)."""
-    parent = _nearest_existing(path)
-    return None if parent.is_dir() else parent
-
-
 def check_creatable(path: str | Path, what: str) -> None:
     """A one-line error where creating `path` (and its missing parents) would fail: under a file, or in a
     directory this process cannot write."""
@@ -28,6 +29,18 @@ def check_creatable(path: str | Path, what: str) -> None:
         raise SwitchheadError(f"{what} {path}: cannot be created, {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise SwitchheadError(f"{what} {path}: cannot write in {parent} (permission denied)")
+    _probe(parent, f"{what} {path}")
+
+
+def _probe(directory: Path, what: str) -> None:
+    """Create and delete a file in `directory`: os.access says yes to root everywhere, also on read-only file
+    systems and in /sys or /proc, where the real write would fail only after the slow work."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".switchhead-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise SwitchheadError(f"{what}: cannot write in {directory}: {e.strerror or e}") from None
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
@@ -37,12 +50,12 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
     written directly, as there is nothing to rename over."""
     target = Path(os.path.realpath(path))
     blob = data.encode("utf-8") if isinstance(data, str) else data
-    if target.exists() and not target.is_file():
-        target.write_bytes(blob)
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
+        if target.exists() and not target.is_file():
+            target.write_bytes(blob)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
         # mode 0o666 under the umask: the permissions a plain write would give
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         with os.fdopen(fd, "wb") as f:
@@ -50,6 +63,77 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        raise SwitchheadError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def check_replaceable(path: str | Path) -> None:
+    """Fail early, before any slow work, where `atomic_directory(path)` would fail at its end: a path under a
+    file, the current directory (or one above it), which cannot be renamed away, or a place we cannot write."""
+    path = Path(os.path.abspath(path))
+    cwd = Path.cwd()
+    if path == cwd or path in cwd.parents:
+        raise SwitchheadError(f"cannot replace {path}: it is the current directory or contains it; choose another")
+    parent = _nearest_existing(path)
+    if not parent.is_dir():
+        raise SwitchheadError(f"cannot write {path}: {parent} is not a directory")
+    _probe(parent, f"cannot write {path}")
+
+
+def check_output_dir(path: str | Path, ours: Callable[[Path], bool], what: str) -> Path:
+    """`path` as a `Path` if `atomic_directory(path)` may replace it: it does not exist, is an empty directory,
+    or is a directory `ours` recognises as `what` (an earlier output of the same command). Anything else is
+    refused, so replacing never deletes a user's files."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not ours(path))):
+        raise SwitchheadError(f"refusing to replace {path}: it exists and is not {what}; choose a new or empty "
+                              "directory")
+    check_replaceable(path)
+    return path
+
+
+def holds_only(path: Path, names: set[str], required: set[str] = frozenset()) -> bool:
+    """Whether directory `path` holds the files in `required`, and nothing but regular files named in `names`."""
+    entries = {p.name: p for p in path.iterdir()}
+    return required <= entries.keys() and all(n in names and p.is_file() for n, p in entries.items())
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to `path`; on success it replaces `path` by rename.
+
+    If the body raises, the temporary directory is removed and `path` is untouched. An existing `path` is
+    moved aside first and deleted only after the new one is in place. Callers decide whether `path` may be
+    replaced at all (`check_output_dir`)."""
+    path = Path(path)
+    check_replaceable(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        yield tmp
+        # mkdtemp (and some writers) create owner-only files; a directory of ours gets the usual permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for f in tmp.iterdir():  # make the files durable before the directory becomes visible
+            if f.is_file():
+                os.chmod(f, 0o666 & ~umask)
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        raise SwitchheadError(f"cannot write {path}: {e.strerror or e}"
+                              + (f" ({e.filename})" if e.filename else "")) from None
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,7 @@ import torch
 
 import switchhead
 from switchhead import PRESETS, CheckpointError, TransformerLM
-from switchhead.model.checkpoint import atomic_directory
+from switchhead.fileio import atomic_directory
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +57,21 @@ def test_half_precision_checkpoint_loads_as_float32(tmp_path):
     assert kept.out.weight.dtype == torch.float16
 
 
-def test_refuses_to_overwrite_foreign_directory(tmp_path):
+def test_replaces_only_its_own_checkpoints(tmp_path):
+    model = TransformerLM(PRESETS["tiny-switchhead"])
     (tmp_path / "notes.txt").write_text("precious")
-    with pytest.raises(CheckpointError, match="refusing"):
-        switchhead.save(tmp_path, TransformerLM(PRESETS["tiny-switchhead"]))
-    assert (tmp_path / "notes.txt").read_text() == "precious"
+    foreign = tmp_path / "hf"  # another library's checkpoint: also a config.json and a model.safetensors
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"model_type": "gpt2"}')
+    (foreign / "model.safetensors").write_bytes(b"weights")
+    ours = switchhead.save(tmp_path / "ck", model)
+    switchhead.save(ours, model)  # an earlier checkpoint is replaced
+    (ours / "README.md").write_text("my notes")  # ... but not once it holds a user's file
+    for path in (tmp_path, foreign, ours, tmp_path / "notes.txt"):
+        with pytest.raises(switchhead.SwitchheadError, match="refusing to replace .*not a switchhead checkpoint"):
+            switchhead.save(path, model)
+    assert (tmp_path / "notes.txt").read_text() == "precious" and (ours / "README.md").read_text() == "my notes"
+    assert (foreign / "model.safetensors").read_bytes() == b"weights"
 
 
 def test_crash_while_writing_leaves_old_checkpoint_intact(tmp_path):
@@ -102,6 +112,9 @@ def _edit_weights(path, fn):
     (lambda p: _edit_weights(p, lambda t: t.pop("out.bias")), "missing out.bias"),
     (lambda p: _edit_weights(p, lambda t: t.update(extra=torch.zeros(1))), "unexpected extra"),
     (lambda p: _edit_weights(p, lambda t: t.update({"out.bias": torch.zeros(3)})), "out.bias has shape"),
+    (lambda p: _edit_weights(p, lambda t: t.update({"out.bias": t["out.bias"].int()})),
+     "out.bias has dtype int32, the model expects a floating-point dtype"),
+    (lambda p: _edit_weights(p, lambda t: t.update({"out.bias": t["out.bias"].bool()})), "out.bias has dtype bool"),
     (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
                                                           "n_layers": 3})), "missing blocks.2"),
     (lambda p: (p / "tokenizer.model").write_bytes(b"garbage"), "tokenizer.model is corrupt"),

@@ -7,6 +7,7 @@ architecture variants use one-layer versions of the tiny presets.
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -303,12 +304,25 @@ def test_failed_export_leaves_nothing(tmp_path):
     assert _no_output(out)
 
 
-def test_refuses_to_overwrite_unrelated_directory(model, tmp_path):
+def test_replaces_only_an_earlier_export(model, exported, tmp_path):
     (tmp_path / "precious").mkdir()
     (tmp_path / "precious" / "notes.txt").write_text("keep me")
-    with pytest.raises(ExportError, match="refusing to overwrite"):
-        export(None, tmp_path / "precious", model=model)
+    with_notes = Path(shutil.copytree(exported, tmp_path / "with-notes"))
+    (with_notes / "README.md").write_text("my notes")
+    lookalike = tmp_path / "lookalike"  # the file names, but no layout of ours
+    lookalike.mkdir()
+    (lookalike / "layout.json").write_text("{}")
+    (lookalike / "model.onnx").write_bytes(b"mine")
+    for path in (tmp_path / "precious", with_notes, lookalike, tmp_path / "precious" / "notes.txt"):
+        with pytest.raises(switchhead.SwitchheadError, match="refusing to replace .*not a switchhead ONNX export"):
+            export(None, path, model=model)
     assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+    assert (with_notes / "README.md").read_text() == "my notes" and (lookalike / "model.onnx").read_bytes() == b"mine"
+    earlier = Path(shutil.copytree(exported, tmp_path / "earlier"))
+    cheap = _model(PRESETS["tiny-transformer"].replace(n_layers=1, d_model=32, d_head=8))
+    export(None, earlier, model=cheap)
+    assert json.loads((earlier / "config.json").read_text())["d_model"] == 32
+    assert sorted(p.name for p in earlier.iterdir()) == ["config.json", "layout.json", "model.onnx"]
 
 
 def _edit_json(path: Path, **changes) -> None:

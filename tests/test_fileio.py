@@ -18,7 +18,7 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(fileio.os, "fsync", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(SwitchheadError, match=r"cannot write .*r\.json: disk full"):  # one line, no traceback
         fileio.write_atomic(out, "new")
     assert out.read_text() == "old" and sorted(tmp_path.iterdir()) == [out]  # no temporary file left
 
@@ -44,14 +44,70 @@ def test_permissions_are_those_of_a_plain_write(tmp_path):
 def test_paths_that_cannot_be_created(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     for path in (tmp_path / "afile" / "x", tmp_path / "afile" / "sub" / "x"):
-        assert fileio.blocking_parent(path) == tmp_path / "afile"
         with pytest.raises(SwitchheadError, match="afile is not a directory"):
             fileio.check_creatable(path, "--output")
-    assert fileio.blocking_parent(tmp_path / "new" / "x") is None
+        with pytest.raises(SwitchheadError, match="afile is not a directory"):
+            fileio.check_replaceable(path)
     fileio.check_creatable(tmp_path / "new" / "x", "--output")
     (tmp_path / "locked").mkdir(mode=0o500)
     # root may write anywhere, so ask the question the check asks (os.access) as an unprivileged user would
-    monkeypatch.setattr(fileio.os, "access", lambda p, mode: Path(p) != tmp_path / "locked")
-    with pytest.raises(SwitchheadError, match=r"cannot write in .*locked \(permission denied\)"):
-        fileio.check_creatable(tmp_path / "locked" / "new" / "x", "--output")
+    with monkeypatch.context() as m:
+        m.setattr(fileio.os, "access", lambda p, mode: Path(p) != tmp_path / "locked")
+        with pytest.raises(SwitchheadError, match=r"cannot write in .*locked \(permission denied\)"):
+            fileio.check_creatable(tmp_path / "locked" / "new" / "x", "--output")
     fileio.check_creatable(tmp_path / "new" / "x", "--output")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "locked"]  # the probes leave nothing behind
+
+
+def test_writes_that_fail_although_access_says_yes(tmp_path, monkeypatch):
+    # A read-only file system (or /sys, /proc) fails the real write even where os.access says yes (always, for
+    # root): the early checks try one, so the slow work after them is not lost at its end.
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(fileio.tempfile, "mkstemp", read_only)
+    with pytest.raises(SwitchheadError, match=r"--output .*x: cannot write in .*: Read-only file system"):
+        fileio.check_creatable(tmp_path / "new" / "x", "--output")
+    with pytest.raises(SwitchheadError, match="Read-only file system"):
+        fileio.check_replaceable(tmp_path / "out")
+    monkeypatch.undo()
+    if Path("/proc/self").is_dir():  # the real thing, where it exists (Linux)
+        with pytest.raises(SwitchheadError, match="cannot write in /proc/self"):
+            fileio.check_creatable("/proc/self/switchhead-out/x.json", "--output")
+
+
+def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "out"
+    with fileio.atomic_directory(out) as tmp:
+        (tmp / "a").write_text("1")
+    with fileio.atomic_directory(out) as tmp:
+        (tmp / "b").write_text("2")
+    assert [p.name for p in out.iterdir()] == ["b"]
+    with pytest.raises(RuntimeError, match="crash"):
+        with fileio.atomic_directory(out) as tmp:
+            (tmp / "c").write_text("half")
+            raise RuntimeError("crash")
+    with pytest.raises(SwitchheadError, match=r"cannot write .*out: disk full"):  # a failing write: one line
+        with fileio.atomic_directory(out) as tmp:
+            raise OSError("disk full")
+    assert [p.name for p in out.iterdir()] == ["b"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_check_output_dir_replaces_only_what_is_ours(tmp_path):
+    def ours(p):
+        return fileio.holds_only(p, {"model.bin", "notes.json"}, required={"model.bin"})
+
+    (tmp_path / "run").mkdir()
+    assert fileio.check_output_dir(tmp_path / "new", ours, "a run") == tmp_path / "new"
+    assert fileio.check_output_dir(tmp_path / "run", ours, "a run") == tmp_path / "run"  # empty
+    (tmp_path / "run" / "model.bin").write_text("")
+    fileio.check_output_dir(tmp_path / "run", ours, "a run")
+    (tmp_path / "run" / "mine.txt").write_text("")
+    (tmp_path / "file").write_text("")
+    for path in (tmp_path / "run", tmp_path / "file"):
+        with pytest.raises(SwitchheadError, match=f"refusing to replace {path}: it exists and is not a run"):
+            fileio.check_output_dir(path, ours, "a run")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "notes.json").mkdir()  # a known name, but not a file
+    (tmp_path / "sub" / "model.bin").write_text("")
+    assert not ours(tmp_path / "sub")

@@ -242,8 +242,9 @@ def test_command_writes_figures_index_and_json(ckpt, tmp_path):
     (["--ckpt", "{root}/ckpt", "--text", "x", "--heads", "-1"], "head -1 out of range"),
     (["--ckpt", "{root}/ckpt", "--text", "x", "--layers", "a,b"], "comma-separated"),
     (["--ckpt", "{root}/ckpt", "--text", "x", "--window", "0"], "window"),
+    (["--ckpt", "{root}/ckpt", "--text", "a\udcffb"], "not valid UTF-8 (byte 0xFF at character 1)"),
 ], ids=["missing-ckpt", "no-tokenizer", "empty-text", "missing-file", "both-texts", "no-text",
-        "layer-range", "head-range", "bad-list", "bad-window"])
+        "layer-range", "head-range", "bad-list", "bad-window", "undecodable-byte"])
 def test_bad_input_is_one_line_exit_2(ckpt, tmp_path, args, message):
     r = _run(*[a.format(root=ckpt) for a in args], "--out", tmp_path / "out")
     assert r.exit_code == 2, r.output
@@ -254,5 +255,31 @@ def test_output_path_that_is_a_file(ckpt, tmp_path):
     target = tmp_path / "file.txt"
     target.write_text("keep me")
     r = _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", target)
-    assert r.exit_code == 2 and "not a directory" in r.output and r.output.count("\n") == 1, r.output
+    assert r.exit_code == 2 and "refusing to replace" in r.output and r.output.count("\n") == 1, r.output
     assert target.read_text() == "keep me"
+
+
+def test_output_directory_is_new_empty_or_an_earlier_report(ckpt, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "index.html").write_text("my own page")
+    r = _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", mine)
+    assert r.exit_code == 2 and "refusing to replace" in r.output and r.output.count("\n") == 1, r.output
+    assert [p.name for p in mine.iterdir()] == ["index.html"] and (mine / "index.html").read_text() == "my own page"
+
+    out = tmp_path / "report"
+    out.mkdir()
+    assert _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", out, "--layers", "0", "--json").exit_code == 0
+    first = {p.name for p in out.iterdir()}
+    assert "usage_L0.png" in first and "attention.json" in first
+    # Drawing another layer replaces the report as a whole: no figure or JSON of the first run is left.
+    r = _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", out, "--layers", "1")
+    assert r.exit_code == 0, r.output
+    second = {p.name for p in out.iterdir()}
+    assert "usage_L1.png" in second and not second & (first - {"index.html"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "report"]  # no temporary directory left
+
+    (out / "notes.txt").write_text("mine")  # a report with a user's file in it is no longer ours to replace
+    r = _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", out, "--layers", "1")
+    assert r.exit_code == 2 and "refusing to replace" in r.output, r.output
+    assert (out / "notes.txt").read_text() == "mine"

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from switchhead.errors import SwitchheadError
 from switchhead.export import schema
+from switchhead.fileio import atomic_directory, check_output_dir, holds_only
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
@@ -357,13 +358,25 @@ class ExportResult:
     layout: dict
 
 
+def is_export(path: Path) -> bool:
+    """An earlier export, which may be replaced: its files only (a user's file beside them would be lost) and a
+    layout.json of this format."""
+    if not holds_only(path, {MODEL_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE}, required={MODEL_FILE, LAYOUT_FILE}):
+        return False
+    try:
+        layout = json.loads((path / LAYOUT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(layout, dict) and layout.get("format") == FORMAT
+
+
 def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = "fp32", quantize: str | None = None,
            opset: int = 18, model: TransformerLM | None = None, tokenizer=None, progress: bool = False) -> ExportResult:
     """Write an export directory (model.onnx, layout.json, config.json, tokenizer.model) atomically.
 
     Either `ckpt` (a checkpoint directory) or `model` (with an optional SentencePiece `tokenizer`) is given.
     """
-    from switchhead.model.checkpoint import atomic_directory, check_replaceable, resolve_checkpoint
+    from switchhead.model.checkpoint import resolve_checkpoint
 
     check_options(dtype, quantize, opset)
     builtin = model is None and not ckpt
@@ -383,10 +396,7 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
         else:
             src = Path(ckpt).resolve() if ckpt else Path.cwd() / "model"
         out = src.with_name(f"{src.name}-onnx")
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / LAYOUT_FILE).is_file())):
-        raise ExportError(f"refusing to overwrite {out}: it exists and is not a switchhead ONNX export")
-    check_replaceable(out)  # before tracing, which takes a while
+    out = check_output_dir(out, is_export, "a switchhead ONNX export")  # before tracing, which takes a while
     from tqdm import tqdm
 
     # Export takes from seconds (tiny) to minutes (large models): show which stage it is in.

@@ -6,11 +6,6 @@ checkpoint; loaded with full validation and without unpickling anything.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from switchhead.errors import CheckpointError, ConfigError
-from switchhead.fileio import blocking_parent
+from switchhead.fileio import atomic_directory, check_output_dir, holds_only
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 
@@ -41,61 +36,13 @@ def is_checkpoint(path: str | Path) -> bool:
     return (p / CONFIG).is_file() and (p / WEIGHTS).is_file()
 
 
-def check_replaceable(path: str | Path) -> None:
-    """Fail early, before any slow work, where `atomic_directory(path)` would fail at its end: a path under a
-    file, or the current directory (or one above it), which cannot be renamed away."""
-    path = Path(os.path.abspath(path))
-    cwd = Path.cwd()
-    if path == cwd or path in cwd.parents:
-        raise CheckpointError(f"cannot replace {path}: it is the current directory or contains it; choose another")
-    if (blocker := blocking_parent(path)) is not None:
-        raise CheckpointError(f"cannot write {path}: {blocker} is not a directory")
-
-
-@contextlib.contextmanager
-def atomic_directory(path: str | Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a fresh temporary directory next to `path`; on success it replaces `path` by rename.
-
-    If the body raises, the temporary directory is removed and `path` is untouched. An existing `path` is
-    moved aside first and deleted only after the new one is in place.
-    """
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise CheckpointError(f"{path} already exists")
-    check_replaceable(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        # mkdtemp (and some writers) create owner-only files; a checkpoint gets the usual permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        for f in tmp.iterdir():  # make the files durable before the directory becomes visible
-            if f.is_file():
-                os.chmod(f, 0o666 & ~umask)
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     """Write `model` (and a SentencePiece tokenizer) as a checkpoint directory at `path`.
 
-    Refuses to replace a non-empty directory that is not a checkpoint, so nothing unrelated is ever lost.
+    Refuses to replace a non-empty directory that is not a checkpoint written here, so nothing unrelated is
+    ever lost.
     """
-    path = Path(path)
-    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not is_checkpoint(path))):
-        raise CheckpointError(f"refusing to overwrite {path}: it exists and is not a switchhead checkpoint")
+    path = check_output_dir(path, _replaceable, "a switchhead checkpoint")
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     with atomic_directory(path) as tmp:
         (tmp / CONFIG).write_text(model.config.to_json())
@@ -103,6 +50,18 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
         if tokenizer is not None:
             (tmp / TOKENIZER).write_bytes(tokenizer.serialized_model_proto())
     return path
+
+
+def _replaceable(path: Path) -> bool:
+    """A checkpoint `save` wrote: its files only (a user's notes beside them would be lost), and a config.json
+    of ours (other libraries' checkpoints also hold a config.json and a model.safetensors)."""
+    if not holds_only(path, {CONFIG, WEIGHTS, TOKENIZER}, required={CONFIG, WEIGHTS}):
+        return False
+    try:
+        read_config(path / CONFIG)
+    except CheckpointError:
+        return False
+    return True
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -156,6 +115,7 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
         raise CheckpointError(f"{path / WEIGHTS} is corrupt: {e}") from None
     with torch.device("meta"):
         model = TransformerLM(config)
+    expected_dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     expected = {k: v.shape for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -167,6 +127,10 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
         if tensors[k].shape != shape:
             raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has shape {tuple(tensors[k].shape)}, "
                                   f"config expects {tuple(shape)}")
+        if tensors[k].dtype.is_floating_point != expected_dtypes[k].is_floating_point:
+            kind = "a floating-point" if expected_dtypes[k].is_floating_point else "an integer"
+            raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has dtype {str(tensors[k].dtype)[6:]}, the model "
+                                  f"expects {kind} dtype")
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)

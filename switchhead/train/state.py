@@ -22,7 +22,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from switchhead.errors import CheckpointError
-from switchhead.model.checkpoint import atomic_directory, save
+from switchhead.fileio import atomic_directory
+from switchhead.model.checkpoint import save
 
 OPTIMIZER, TRAINER_TENSORS, TRAINER_STATE = (
     "optimizer.safetensors",
