@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from switchhead import PRESETS, ConfigError, ModelConfig
+from switchhead import PRESETS, ConfigError, ModelConfig, TransformerLM
 from switchhead.cli import main
 from switchhead.model.accounting import (
     attention_macs,
@@ -27,7 +27,9 @@ def test_presets_round_trip_json(name):
 @pytest.mark.parametrize("field,value", [
     ("d_model", 0), ("n_heads", -1), ("k", 2.5), ("vocab_size", True), ("dropout", 1.0), ("attention", "sparse"),
     ("positional", "alibi"), ("ff", "glu"), ("mem_chunks", 2), ("moe_projections", ("v", "x")),
-    ("grad_clip", -1.0), ("ff_expert_dropout", -0.1),
+    ("grad_clip", -1.0), ("ff_expert_dropout", -0.1), ("mem_chunks", True), ("dropout", False),
+    ("grad_clip", True), ("shared_selection", "yes"), ("shared_selection", 1), ("name", 5),
+    ("n_layers", 4097), ("d_model", 2**24 + 1), ("vocab_size", 10**12),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
@@ -60,6 +62,22 @@ def test_resolve_config_from_file(tmp_path):
     assert resolve_config(p) == PRESETS["tiny-moa"]
     with pytest.raises(ConfigError, match="not found"):
         resolve_config(tmp_path / "missing.json")
+    (tmp_path / "bin.json").write_bytes(b'{"d_model": 64\xff}')
+    with pytest.raises(ConfigError, match=r"cannot read config file .*bin.json: .*can't decode byte 0xff"):
+        resolve_config(tmp_path / "bin.json")
+    (tmp_path / "bad.json").write_text('{"d_model": -1}')
+    with pytest.raises(ConfigError, match=r"bad.json: ModelConfig.d_model must be a positive integer"):
+        resolve_config(tmp_path / "bad.json")
+
+
+def test_largest_allowed_sizes_are_counted_quickly():
+    # `info` builds the model on the meta device: at the limits that is still a matter of seconds.
+    from switchhead.model.config import MAX_LAYERS, MAX_SIZE
+
+    big = ModelConfig(n_layers=MAX_LAYERS, d_model=MAX_SIZE, vocab_size=MAX_SIZE, d_ff=64, d_head=64,
+                      chunk_len=MAX_SIZE)
+    params = count_params(big)
+    assert params["total"] > MAX_SIZE ** 2
 
 
 def test_moe_projection_order_is_canonical():
@@ -99,6 +117,13 @@ def test_param_count_matches_hand_count():
     got = count_params(cfg)
     assert got["total"] == want
     assert got["attention"] == cfg.n_layers * attn
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny-")])
+@pytest.mark.parametrize("n_layers", [1, 3, 7])
+def test_param_count_equals_the_built_model(name, n_layers):
+    cfg = PRESETS[name].replace(n_layers=n_layers)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in TransformerLM(cfg).parameters())
 
 
 @pytest.mark.parametrize("a,b", [

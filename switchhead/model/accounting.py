@@ -26,7 +26,13 @@ PAPER_FIGURES: dict[str, dict[str, float | None]] = {
 def count_params(config: ModelConfig) -> dict[str, int]:
     """Parameters per component (embedding, attention, feedforward, norms, output) and the total.
 
-    Counted from the real module tree built on the meta device, so it can never drift from the model."""
+    Counted from the real module tree built on the meta device, so it can never drift from the model; the
+    layers are identical, so a one- and a two-layer model give every count for any depth."""
+    one, two = (_count_built(config.replace(n_layers=n)) for n in (1, 2))
+    return {k: one[k] + (config.n_layers - 1) * (two[k] - one[k]) for k in one}
+
+
+def _count_built(config: ModelConfig) -> dict[str, int]:
     from switchhead.model.lm import TransformerLM
 
     with torch.device("meta"):

@@ -16,6 +16,13 @@ FF_KINDS = ("dense", "sigma_moe")
 PROJECTIONS = ("v", "k", "q", "o")
 
 
+MAX_LAYERS, MAX_SIZE = 4096, 2**24
+
+
+def _is_number(v, types) -> bool:
+    return isinstance(v, types) and not isinstance(v, bool)  # JSON's true/false are ints to Python
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to build a `TransformerLM`; validated on construction, round-trips through JSON.
@@ -55,17 +62,26 @@ class ModelConfig:
                     "chunk_len", "ff_n_experts", "ff_expert_size", "ff_k"]
         for name in positive:
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_number(v, int) or v < 1:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
+            # Far beyond any trainable model, but small enough that building one layer by layer (even on the
+            # meta device, as `info` does) cannot run for hours first.
+            limit = MAX_LAYERS if name == "n_layers" else MAX_SIZE
+            if v > limit:
+                raise ConfigError(f"ModelConfig.{name} must be at most {limit}, got {v}")
         for name in ("dropout", "ff_expert_dropout"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            if not _is_number(v, (int, float)) or not 0.0 <= v < 1.0:
                 raise ConfigError(f"ModelConfig.{name} must be in [0, 1), got {v!r}")
         for name in ("ff_entropy_coef", "grad_clip"):
             v = getattr(self, name)
             # NaN passes `v < 0` and inf is no usable value; either would also be written out as invalid JSON.
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not _is_number(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ConfigError(f"ModelConfig.{name} must be a finite non-negative number, got {v!r}")
+        if not isinstance(self.shared_selection, bool):
+            raise ConfigError(f"ModelConfig.shared_selection must be true or false, got {self.shared_selection!r}")
+        if not isinstance(self.name, str):
+            raise ConfigError(f"ModelConfig.name must be a string, got {self.name!r}")
         self._choice("attention", ATTENTION_KINDS)
         self._choice("positional", POSITIONAL_KINDS)
         self._choice("ff", FF_KINDS)
@@ -75,7 +91,7 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.moe_projections: unknown projection(s) {bad}; choose from {PROJECTIONS}")
         # Canonical order so that equal sets compare (and serialise) equal.
         object.__setattr__(self, "moe_projections", tuple(p for p in PROJECTIONS if p in self.moe_projections))
-        if self.mem_chunks not in (0, 1):
+        if not _is_number(self.mem_chunks, int) or self.mem_chunks not in (0, 1):
             raise ConfigError(f"ModelConfig.mem_chunks must be 0 or 1, got {self.mem_chunks!r}")
         if self.attention == "switchhead" and self.k > self.n_experts:
             raise ConfigError(f"ModelConfig.k ({self.k}) must not exceed n_experts ({self.n_experts})")
@@ -193,5 +209,12 @@ def resolve_config(spec: str | Path) -> ModelConfig:
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise ConfigError(f"config file not found: {spec}")
-        return ModelConfig.from_json(path.read_text())
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {spec}: {e}") from None
+        try:
+            return ModelConfig.from_json(text)
+        except ConfigError as e:
+            raise ConfigError(f"{spec}: {e}") from None
     raise ConfigError(f"unknown config {spec!r}; presets: {', '.join(PRESETS)}")
