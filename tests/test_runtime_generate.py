@@ -248,6 +248,7 @@ def _bad_ckpts(tmp_path, model):
     (["hi", "--ckpt", "BAD:not found"], "not found"),
     (["hi", "--ckpt", "BAD:corrupt"], "corrupt"),
     (["hi", "--ckpt", "BAD:no tokenizer"], "tokenizer"),
+    (["hi", "--ckpt", "CKPT", "--device", "meta"], "device 'meta' cannot run a model; use cpu, cuda or mps"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, model, args, message):
     bad = _bad_ckpts(tmp_path, model) if any(a.startswith("BAD:") for a in args) else {}
@@ -257,6 +258,21 @@ def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, model, args, message):
     assert "Traceback" not in r.output
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("Error:") and message in err[0], r.stderr
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"prompt": "a"}\n \n\n\n{"prompt": "b\\ud800"}\n', "line 5: prompt is not valid UTF-8 (lone surrogate U+D800"),
+    ('{"prompt": "a"}\n\n{"prompt": "  "}\n', "line 3: empty prompt"),
+    ('{"prompt": "a"}\n\n\n{"text": "b"}\n', 'line 4 needs a string "prompt" field'),
+    ('{"prompt": "a"}\n\n{"prompt": "b"\n', "line 3 is not valid JSON"),
+], ids=["surrogate", "jsonl-empty", "jsonl-field", "jsonl-syntax"])
+def test_cli_prompts_file_errors_name_the_file_line(ckpt, tmp_path, text, message):
+    f = tmp_path / "prompts.txt"
+    f.write_text(text, encoding="utf-8")
+    r = _run(["--ckpt", ckpt, "--prompts-file", str(f)])
+    assert r.exit_code == 2 and r.stdout == "", r.output  # nothing generated for the earlier lines either
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"Error: {f}") and message in err[0], r.stderr
 
 
 def test_cli_stdin_that_is_not_utf8_is_one_line_exit_2(ckpt):

@@ -20,8 +20,12 @@ def resolve_device(device: str | None) -> torch.device:
         dev = torch.device(device or "cpu")
     except RuntimeError as e:
         raise SwitchheadError(f"unknown device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda", "mps"):  # e.g. meta, which holds no data
+        raise SwitchheadError(f"device {device!r} cannot run a model; use cpu, cuda or mps")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SwitchheadError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise SwitchheadError(f"device {device!r} requested but MPS is not available")
     return dev
 
 
@@ -43,27 +47,27 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
     return Generator(TorchBackend(model), tokenizer)
 
 
-def read_prompts_file(path: str | Path) -> list[str]:
-    """Prompts of a file: one per non-blank line, or JSONL objects with a "prompt" field (decided by whether
-    the first non-blank line is a JSON object)."""
+def read_prompts_file(path: str | Path) -> list[tuple[int, str]]:
+    """(line number, prompt) for the prompts of a file: one per non-blank line, or JSONL objects with a "prompt"
+    field (decided by whether the first non-blank line is a JSON object)."""
     path = Path(path)
     try:
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        lines = [(n, ln) for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise SwitchheadError(f"cannot read prompts file {path}: {e}") from None
     if not lines:
         raise SwitchheadError(f"prompts file {path} has no prompts")
-    if not _is_json_object(lines[0]):
+    if not _is_json_object(lines[0][1]):
         return lines
     prompts = []
-    for n, line in enumerate(lines, 1):
+    for n, line in lines:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise SwitchheadError(f"{path}: line {n} is not valid JSON: {e}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise SwitchheadError(f"{path}: line {n} needs a string \"prompt\" field")
-        prompts.append(obj["prompt"])
+        prompts.append((n, obj["prompt"]))
     return prompts
 
 
@@ -82,17 +86,21 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
         raise SwitchheadError(f"batch-size must be >= 1, got {batch_size}")
     if prompt is not None and prompts_file:
         raise SwitchheadError("give a PROMPT or --prompts-file, not both")
-    prompts = read_prompts_file(prompts_file) if prompts_file else None
-    if prompts is None and prompt is None:
+    numbered = read_prompts_file(prompts_file) if prompts_file else None
+    if numbered is None and prompt is None:
         try:
             text = (stdin or sys.stdin).read()
         except UnicodeDecodeError as e:  # a strict stdin; under surrogateescape, Generator.encode reports it
             raise SwitchheadError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
         prompt = text[:-1] if text.endswith("\n") else text
     gen = load_generator(ckpt, device, onnx_dir)
-    if prompts is not None:
-        for p in prompts:  # fail before spending time on the earlier batches
-            gen.encode(p)
+    if numbered is not None:
+        for n, p in numbered:  # fail before spending time on the earlier batches
+            try:
+                gen.encode(p)
+            except SwitchheadError as e:
+                raise SwitchheadError(f"{prompts_file}: line {n}: {e}") from None
+        prompts = [p for _, p in numbered]
         # Seeds follow the line number, so results do not depend on --batch-size; seed + i wraps modulo 2**64.
         base = seed_or_random(params.seed)
         for start in range(0, len(prompts), batch_size):
