@@ -232,7 +232,8 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
               "see docs/EVAL.md). Default: the Hugging Face hub, when reachable.")
 @click.option("--limit", type=int, help="Evaluate only the first N examples of each task (or paradigm).")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Sequences per forward pass.")
-@click.option("--output", type=click.Path(), help="Write lm-eval's results JSON here.")
+@click.option("--output", type=click.Path(),
+              help="Write lm-eval's results JSON here (replacing an existing file only if it is earlier results).")
 @click.option("--device", help="cpu, cuda, ...; default cpu.")
 @click.option("--threads", type=int, default=1, show_default=True, help="CPU threads for the forward passes: "
               "evaluation is many small forwards, where more threads mostly add synchronisation (and thrash "

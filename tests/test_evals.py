@@ -11,6 +11,7 @@ import io
 import json
 import math
 import random
+import re
 
 import pytest
 import sentencepiece as spm
@@ -339,6 +340,10 @@ def test_cli_runs_and_writes_results(env, tmp_path):
     assert "switchhead_lambada" in r.output and "perplexity" in r.output
     saved = json.loads(out.read_text())
     assert saved["results"]["switchhead_lambada"]["sample_len"] == 3
+    r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(d), "--limit", "2",
+                "--output", str(out), "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["results"]["switchhead_lambada"]["sample_len"] == 2, "an earlier run's file"
 
 
 def test_eval_prints_nothing_on_stderr_with_no_progress_outside_a_git_repository(env, tmp_path, monkeypatch, capfd):
@@ -405,9 +410,10 @@ def test_cli_reports_a_broken_data_file_in_one_line(env, tmp_path):
     assert r.exit_code == 2 and "lambada_test.jsonl:2: not valid JSON" in r.output, r.output
 
 
-def cbt_example(answer: str = "man", candidates: str = "birds|food|maiden|man|middle|place|sight|south|wash|wings"):
+def cbt_example(answer: str = "man", candidates: str = "birds|food|maiden|man|middle|place|sight|south|wash|wings",
+                question: str = "the young XXXXX sat ."):
     lines = [f"{i} Line {i} ." for i in range(1, 21)]
-    return "\n".join(lines + [f"21 the young XXXXX sat .\t{answer}\t\t{candidates}"]) + "\n\n"
+    return "\n".join(lines + [f"21 {question}\t{answer}\t\t{candidates}"]) + "\n\n"
 
 
 @pytest.mark.parametrize("text", ["Hello", "", " ", "two words ", " word"])
@@ -442,6 +448,35 @@ def test_cbt_answer_and_candidates_must_not_be_empty(tmp_path, answer, candidate
         data.parse_cbt(path)
 
 
+@pytest.mark.parametrize("bad, message", [
+    ({"candidates": "birds|food|man|man|middle|place|sight|south|wash|wings"}, "candidate 'man' appears twice"),
+    ({"candidates": "birds|birds|maiden|man|middle|place|sight|south|wash|wings"}, "candidate 'birds' appears twice"),
+    ({"question": "the XXXXX sat by the XXXXX ."}, "the question must hold the blank XXXXX exactly once, it has 2"),
+    ({"question": "the young man sat ."}, "the question must hold the blank XXXXX exactly once, it has 0"),
+])
+def test_cbt_candidates_must_differ_and_the_question_has_one_blank(tmp_path, bad, message):
+    # a second blank stayed inside every option's text; CBT's ten candidates are distinct words
+    path = tmp_path / "cbt.txt"
+    path.write_text(cbt_example() + cbt_example(**bad))
+    with pytest.raises(SwitchheadError, match=rf"cbt.txt:43: {re.escape(message)}"):
+        data.parse_cbt(path)
+
+
+@pytest.mark.parametrize("task, good, bad, message", [
+    ("lambada", '{"text": "a b"}', r'{"text": "hello \ud800 world"}',
+     "field text is not valid UTF-8 (lone surrogate U+D800 at character 6)"),
+    ("blimp", '{"sentence_good": "a b", "sentence_bad": "b a"}', r'{"sentence_good": "a b", "sentence_bad": "\udcff"}',
+     "field sentence_bad is not valid UTF-8 (byte 0xFF at character 0)"),
+])
+def test_jsonl_string_that_is_not_utf8_is_a_clear_error(tmp_path, task, good, bad, message):
+    # UTF-8 bytes whose JSON escape decodes to a lone surrogate: pyarrow failed on it after the model had loaded
+    rel = data.required_files(task)[0]
+    (tmp_path / rel).parent.mkdir()
+    (tmp_path / rel).write_text(f"{good}\n{bad}\n")
+    with pytest.raises(SwitchheadError, match=rf"{rel.split('/')[1]}:2: {re.escape(message)}"):
+        data.check_data_files(tmp_path, [task])
+
+
 @pytest.mark.parametrize("task", ["lambada", "blimp", "cbt"])
 def test_data_file_that_is_not_utf8_is_a_clear_error(tmp_path, task):
     good = {"lambada": '{"text": "a b"}\n', "blimp": '{"sentence_good": "a b", "sentence_bad": "b a"}\n',
@@ -471,6 +506,10 @@ def no_model(monkeypatch):
     (data.blimp_file("wh_island"), b'{"sentence_good": "", "sentence_bad": "x"}\n',
      "wh_island.jsonl:1: a BLiMP pair needs two non-empty sentences"),
     (data.cbt_file("P"), b"1 caf\xe9\n", "cbtest_P_test_2500ex.txt: not valid UTF-8 (line 1:"),
+    (data.LAMBADA_FILE, b'{"text": "a b"}\n{"text": "hello \\ud800 world"}\n',
+     "lambada_test.jsonl:2: field text is not valid UTF-8 (lone surrogate U+D800"),
+    (data.cbt_file("NE"), cbt_example(candidates="birds|man|maiden|man|middle|place|sight|south|wash|wings").encode(),
+     "cbtest_NE_test_2500ex.txt:21: candidate 'man' appears twice"),
 ])
 def test_cli_reports_bad_data_in_one_line_before_loading_the_model(env, tmp_path, no_model, rel, content, message):
     ckpt, d, _, _ = env
@@ -492,3 +531,39 @@ def test_cli_output_under_a_file_fails_before_evaluating(env, tmp_path, no_model
                 "--output", str(tmp_path / output))
     assert r.exit_code == 2 and "afile is not a directory" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("Error:"), r.output
+
+
+@pytest.mark.parametrize("content", ["my notes\n", "", '{"results": {}}', "[1, 2]", '{"results": 1, "configs": {}, '
+                                     '"versions": {}, "config": {}}', b"\xff\xfe{"])
+def test_cli_output_refuses_to_overwrite_a_file_that_is_no_results_json(env, tmp_path, no_model, content):
+    ckpt, d, _, _ = env
+    out = tmp_path / "notes.txt"
+    if isinstance(content, bytes):
+        out.write_bytes(content)
+    else:
+        out.write_text(content)
+    before = out.read_bytes()
+    r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(d), "--no-progress",
+                "--output", str(out))
+    assert r.exit_code == 2 and "exists and is not an earlier results JSON; not overwriting it" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("Error:"), r.output
+    assert out.read_bytes() == before
+
+
+def test_evaluate_refuses_cuda_without_cuda_but_lm_eval_falls_back(env, tmp_path):
+    # lm-eval's CLI asks for cuda by default, so SwitchheadLM runs on the CPU without it; a user who asked
+    # switchhead for cuda must hear that it is missing, before anything is loaded.
+    from switchhead.evals import SwitchheadLM
+    from switchhead.evals.run import evaluate
+
+    ckpt, d, _, _ = env
+    lm = SwitchheadLM(ckpt=str(ckpt), device="cuda", progress=False)
+    assert lm.backend.model.out.weight.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    out = tmp_path / "r.json"
+    if torch.cuda.is_available():
+        assert evaluate("lambada", ckpt=str(ckpt), data_dir=d, limit=1, progress=False, device="cuda", output=out)
+        assert out.is_file()
+    else:
+        with pytest.raises(SwitchheadError, match=r"^device 'cuda' requested but CUDA is not available$"):
+            evaluate("lambada", ckpt=str(ckpt), data_dir=d, limit=1, progress=False, device="cuda", output=out)
+        assert not out.exists()

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from switchhead.errors import SwitchheadError
+from switchhead.runtime.sampling import check_utf8
 
 BLIMP_PARADIGMS = (
     "adjunct_island", "anaphor_gender_agreement", "anaphor_number_agreement", "animate_subject_passive",
@@ -168,6 +169,8 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...],
         if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in fields):
             raise SwitchheadError(f"{path}:{n}: expected a JSON object with string field(s) {', '.join(fields)}")
         row = {k: row[k] for k in fields}
+        for k in fields:  # JSON's \ud800 escapes decode to lone surrogates, which pyarrow cannot store
+            check_utf8(row[k], f"{path}:{n}: field {k}")
         problem = check(row) if check is not None else None
         if problem:
             raise SwitchheadError(f"{path}:{n}: {problem}")
@@ -238,9 +241,17 @@ def parse_cbt(path: str | Path) -> list[dict]:
         if not answer.strip() or any(not c.strip() for c in options):
             raise SwitchheadError(f"{path}:{block[-1][0]}: empty answer or candidate (candidates are separated "
                                   f"by single '|')")
-        if len(options) != CBT_CANDIDATES or answer not in options or CBT_BLANK not in question:
-            raise SwitchheadError(f"{path}:{block[-1][0]}: expected {CBT_CANDIDATES} candidates containing the "
-                                  f"answer and a question with the blank {CBT_BLANK}")
+        where = f"{path}:{block[-1][0]}"
+        if len(options) != CBT_CANDIDATES:
+            raise SwitchheadError(f"{where}: expected {CBT_CANDIDATES} candidates, got {len(options)}")
+        twice = next((c for i, c in enumerate(options) if c in options[:i]), None)
+        if twice is not None:  # CBT's ten are distinct words: a repeat is a corrupt line, not a harder question
+            raise SwitchheadError(f"{where}: candidate {_clip(twice)!r} appears twice")
+        if answer not in options:
+            raise SwitchheadError(f"{where}: the answer {_clip(answer)!r} is not among the candidates")
+        if question.count(CBT_BLANK) != 1:  # the prompt splits the question at its (first) blank
+            raise SwitchheadError(f"{where}: the question must hold the blank {CBT_BLANK} exactly once, it has "
+                                  f"{question.count(CBT_BLANK)}")
         examples.append({"sentences": lines[:20], "question": question, "answer": answer, "options": options})
         block.clear()
 

@@ -40,6 +40,7 @@ def active_model() -> SwitchheadLM:
 
 def _device(device: str | None) -> str:
     # lm-eval's CLI passes device="cuda" by default; like its HF model, fall back to the CPU without one.
+    # (switchhead's evaluate() refuses an explicit cuda without CUDA before constructing us.)
     if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
         return "cpu"
     from switchhead.runtime.commands import resolve_device

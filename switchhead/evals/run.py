@@ -21,6 +21,9 @@ TASKS_DIR = Path(__file__).parent / "tasks"
 # Short names used by the CLI -> the lm-eval task or group names shipped in TASKS_DIR. Prefixed so that they
 # never collide with lm-eval's own tasks when both are indexed (TaskManager with include_defaults=True).
 TASKS = {"lambada": "switchhead_lambada", "blimp": "switchhead_blimp", "cbt": "switchhead_cbt"}
+# Keys every results dict of lm_eval.simple_evaluate has (0.4.x), so in every file we or lm-eval's CLI wrote.
+RESULTS_KEYS = ("results", "configs", "versions", "config")
+_RESULTS_MAX_BYTES = 64 << 20  # without samples (never logged here) a results file is far smaller
 
 
 def parse_tasks(spec: str | list[str]) -> list[str]:
@@ -59,10 +62,14 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
         raise SwitchheadError(f"no --data-dir given and the Hugging Face hub is unreachable; {data.LAYOUT_HELP}")
     if ckpt is not None and not Path(ckpt).is_dir():
         raise SwitchheadError(f"checkpoint directory not found: {ckpt}")
+    if device is not None:
+        from switchhead.runtime.commands import resolve_device
+
+        # SwitchheadLM falls back to the CPU, as lm-eval's CLI asks for cuda by default; a user who asked for
+        # cuda here must learn it is missing rather than wait for a CPU run.
+        resolve_device(device)
     if output is not None:
-        if Path(output).is_dir():
-            raise SwitchheadError(f"--output must be a file path, {output} is a directory")
-        check_creatable(output, "--output")
+        check_output(output)
     if data_dir is not None:
         data.check_data_files(data_dir, names)
 
@@ -89,6 +96,30 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
     if output is not None:
         write_atomic(output, json.dumps(results, indent=2, default=_jsonable))
     return results
+
+
+def check_output(output: str | Path) -> None:
+    """A one-line error where `output` cannot take the results: a directory, a path that cannot be created, or
+    an existing file other than an earlier results JSON (a user's file is never overwritten)."""
+    path = Path(output)
+    if path.is_dir():
+        raise SwitchheadError(f"--output must be a file path, {output} is a directory")
+    check_creatable(output, "--output")
+    # only regular files: /dev/stdout or a FIFO is written to, not replaced (and reading a FIFO would block)
+    if path.is_file() and not is_results_file(path):
+        raise SwitchheadError(f"--output {output} exists and is not an earlier results JSON; not overwriting it "
+                              f"(remove it or choose another path)")
+
+
+def is_results_file(path: str | Path) -> bool:
+    """Whether `path` holds a results JSON as `evaluate` (or lm-eval's CLI) writes it."""
+    try:
+        if Path(path).stat().st_size > _RESULTS_MAX_BYTES:
+            return False
+        obj = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError):  # unreadable, not text, not JSON, absurdly nested
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in RESULTS_KEYS) and isinstance(obj["results"], dict)
 
 
 def _quiet_lm_eval() -> contextlib.ExitStack:
