@@ -1,6 +1,8 @@
 """Tokenizer helpers: exact round-trip, digits split, EOS document separators."""
 
 
+import re
+
 import numpy as np
 import pytest
 from tiny import write_corpus
@@ -142,3 +144,18 @@ def test_unwrapped_file_and_tokenizer(sp, tmp_path):
     assert _training_sentences([path], 100, 0, unwrap=True) == ["the quick brown fox jumps over lazy dogs",
                                                                 "birds sing in 2024"]
     assert len(_training_sentences([path], 100, 0)) == 5
+
+
+def test_non_utf8_text_is_refused(sp, tmp_path):
+    # Replacing bad bytes with U+FFFD would silently train on them; a binary file would pass for a few tokens.
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("the fox\nsaw a café".encode() + b" and a caf\xe9 \x80")
+    expected = "latin1.txt: not valid UTF-8 (byte 0xe9 at offset 29, line 2)"
+    with pytest.raises(SwitchheadError, match=re.escape(expected)):
+        encode_file(sp, bad)
+    with pytest.raises(SwitchheadError, match=re.escape(expected)):
+        train_tokenizer([bad], vocab_size=400)
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(SwitchheadError, match=re.escape("(byte 0x80 at offset 128, line 2)")):
+        encode_file(sp, binary)

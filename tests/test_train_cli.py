@@ -223,3 +223,72 @@ def test_resume_refuses_steps_below_the_checkpoint(corpus, tmp_path):
     r = _run("--out", out, "--resume", "--steps", 4, "--no-progress")  # already complete: final/ as before
     assert r.exit_code == 0, r.output
     assert (out / "final" / "model.safetensors").read_bytes() == kept[0]
+
+
+def test_cache_dir_that_cannot_be_a_directory(corpus, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    _assert_user_error(_run("--config", "tiny-switchhead", "--data", corpus, "--out", tmp_path / "o", "--cache-dir", f),
+                       f"--cache-dir {f} exists and is not a directory")
+    _assert_user_error(_run("--config", "tiny-switchhead", "--data", corpus, "--out", tmp_path / "o", "--cache-dir",
+                            f / "sub"), "is not a directory")
+    assert f.read_text() == "x" and not (tmp_path / "o").exists()
+
+
+def test_data_that_is_not_utf8(corpus, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(corpus.read_bytes() + b"\nand then \xff\x80")
+    offset = len(corpus.read_bytes()) + 10
+    _assert_user_error(_tiny(tmp_path / "o", bad, tmp_path), f"{bad}: not valid UTF-8 (byte 0xff at offset {offset}")
+    binary = tmp_path / "binary.txt"  # was "training data too short: 4 tokens"
+    binary.write_bytes(b"\xff" * 1000)
+    _assert_user_error(_tiny(tmp_path / "o", binary, tmp_path), f"{binary}: not valid UTF-8 (byte 0xff at offset 0")
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--eval-data", bad), f"{bad}: not valid UTF-8")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "cache").exists()  # refused before any work
+
+
+def test_diverging_run_stops_without_saving_nan_weights(corpus, tmp_path):
+    # lr 1e6: the loss of step 1 is finite, but its update leaves weights that give a NaN loss from step 2 on.
+    out = tmp_path / "run"
+    r = _tiny(out, corpus, tmp_path, "--lr", "1e6", "--steps", 6, "--save-every", 1, "--log-every", 3)
+    _assert_user_error(r, f"training diverged at step 2: the weights are not finite; stopped without saving it "
+                          f"({out / 'checkpoint'} still holds step 1); start a new run with a lower --lr than 1e+06")
+    assert not (out / "final").exists()
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
+    model, _ = switchhead.load(out / "checkpoint")
+    assert all(p.isfinite().all() for p in model.parameters())
+    # Caught at the loss, before the first save: the step is the first with a NaN loss, and nothing is logged.
+    out = tmp_path / "run2"
+    _assert_user_error(_tiny(out, corpus, tmp_path, "--lr", "1e6", "--steps", 6, "--log-every", 5),
+                       "diverged at step 2: the training loss is nan; stopped without saving it (no checkpoint")
+    assert not (out / "checkpoint").exists() and not (out / "final").exists()
+    assert (out / "metrics.jsonl").read_text() == ""
+    # A NaN validation loss stops the run too, before it is logged.
+    out = tmp_path / "run3"
+    r = _tiny(out, corpus, tmp_path, "--lr", "1e6", "--steps", 6, "--eval-data", corpus, "--eval-every", 1)
+    _assert_user_error(r, "diverged at step 1: the validation loss is nan")
+    assert not (out / "checkpoint").exists() and (out / "metrics.jsonl").read_text() == ""
+    # So large that AdamW's first step cannot be applied to float32 weights (it crashed): refused up front.
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--lr", "1e308"), "--lr must be at most 1.7e+37")
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_with_a_renamed_config(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert _tiny(out, corpus, tmp_path).exit_code == 0
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(switchhead.PRESETS["tiny-switchhead"].replace(name="my-model").to_json())
+    r = _run("--out", out, "--resume", "--config", cfg, "--steps", 6, "--no-progress")
+    assert r.exit_code == 0, r.output  # the name is a label, not part of the model
+    cfg.write_text(switchhead.PRESETS["tiny-switchhead"].replace(name="other", n_heads=4).to_json())
+    r = _run("--out", out, "--resume", "--config", cfg, "--steps", 8)
+    _assert_user_error(r, "model config changed since the run started (n_heads: 2 -> 4)")
+
+
+@pytest.mark.parametrize("device,message", [
+    ("meta", "device 'meta' cannot run a model"), ("nope", "unknown device 'nope'"),
+])
+def test_device_that_cannot_train(corpus, tmp_path, device, message):
+    out = tmp_path / "run"
+    _assert_user_error(_tiny(out, corpus, tmp_path, "--device", device), message)
+    assert not out.exists()

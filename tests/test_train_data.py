@@ -129,3 +129,34 @@ def test_data_directory_stands_for_its_txt_files(tmp_path):
     empty.mkdir()
     with pytest.raises(SwitchheadError, match="no .txt files"):
         check_data_files([empty])
+
+
+def test_data_files_must_be_utf8(tmp_path):
+    from switchhead.train.data import check_data_files
+
+    # Read in 1 MiB blocks: a character split by a block boundary is fine, and a bad byte past the first block
+    # is reported at its offset in the file.
+    big = tmp_path / "big.txt"
+    head = b"a" * ((1 << 20) - 1) + "é".encode() + b"\nxyz"
+    big.write_bytes(head + b"\xff tail")
+    with pytest.raises(SwitchheadError, match=rf"big.txt: not valid UTF-8 \(byte 0xff at offset {len(head)}, line 2\)"):
+        check_data_files([big])
+    big.write_bytes(head)
+    assert check_data_files([big]) == [big]
+    cut = tmp_path / "cut.txt"  # ends inside a character
+    cut.write_bytes(b"text\n\n" + "€".encode()[:2])
+    with pytest.raises(SwitchheadError, match=r"cut.txt: not valid UTF-8 \(byte 0xe2 at offset 6, line 3\)"):
+        check_data_files([cut])
+    blank = tmp_path / "blank.txt"
+    blank.write_bytes(b" \n\t\n")
+    with pytest.raises(SwitchheadError, match="empty"):
+        check_data_files([blank])
+
+
+def test_unusable_token_cache_is_a_one_line_error(tmp_path, sp):
+    data = _corpus(tmp_path / "a.txt", n_lines=20)
+    cache = tmp_path / "cache"
+    cache.write_text("a file, not a directory")
+    with pytest.raises(SwitchheadError, match=f"cannot write the token cache in {cache}"):
+        cached_tokens(sp, data, cache)
+    assert cache.read_text() == "a file, not a directory"

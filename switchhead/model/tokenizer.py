@@ -49,8 +49,24 @@ def unwrap_paragraphs(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if p)
 
 
+def not_utf8(path: str | Path, data: bytes, start: int, offset: int, newlines_before: int = 0) -> SwitchheadError:
+    """The error for a file that is not UTF-8: `data[start]` is its first bad byte, at file offset `offset`."""
+    line = newlines_before + data.count(b"\n", 0, start) + 1
+    return SwitchheadError(f"cannot read {path}: not valid UTF-8 (byte 0x{data[start]:02x} at offset {offset}, "
+                           f"line {line}); text files must be UTF-8")
+
+
 def read_text(path: str | Path, *, unwrap: bool = False) -> str:
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    """The text of a UTF-8 file; anything else is refused: replacing bad bytes would silently train on U+FFFD
+    (and a binary file would look like a few tokens of text)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise SwitchheadError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, raw, e.start, e.start) from None
     return unwrap_paragraphs(text) if unwrap else text
 
 

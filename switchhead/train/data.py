@@ -7,6 +7,8 @@ lane b at step s is exactly the text preceding lane b's chunk at step s+1.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import hashlib
 import os
 from collections.abc import Sequence
@@ -17,7 +19,8 @@ import numpy as np
 import sentencepiece as spm
 
 from switchhead.errors import SwitchheadError
-from switchhead.model.tokenizer import encode_file, token_dtype, tokenizer_fingerprint
+from switchhead.fileio import check_creatable
+from switchhead.model.tokenizer import encode_file, not_utf8, token_dtype, tokenizer_fingerprint
 
 # Bump when the way files become tokens changes, so stale caches are not reused.
 _CACHE_VERSION = "1"
@@ -53,10 +56,44 @@ def check_data_files(files: Sequence[str | Path], what: str = "data") -> list[Pa
         p = Path(f)
         if not p.is_file():
             raise SwitchheadError(f"{what} file not found: {p}")
-        if p.stat().st_size == 0 or not p.read_bytes().strip():
+        if not _check_text(p):
             raise SwitchheadError(f"{what} file is empty: {p}")
         paths.append(p)
     return paths
+
+
+def _check_text(path: Path) -> bool:
+    """Whether the file holds more than whitespace; a one-line error where it is unreadable or not UTF-8.
+
+    One streamed pass, so a bad byte deep in a big corpus is found before the slow tokenizer training and
+    tokenization, without holding the file (or its decoded copy) in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    blank, offset, newlines = True, 0, 0
+    try:
+        with open(path, "rb") as f:
+            while True:
+                block = f.read(1 << 20)
+                pending = decoder.getstate()[0]  # the start of a character split by the previous block
+                try:
+                    decoder.decode(block, final=not block)
+                except UnicodeDecodeError as e:
+                    raise not_utf8(path, pending + block, e.start, offset - len(pending) + e.start, newlines) from None
+                if not block:
+                    return not blank
+                blank = blank and not block.strip()
+                offset += len(block)
+                newlines += block.count(b"\n")
+    except OSError as e:
+        raise SwitchheadError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def check_cache_dir(path: Path, what: str) -> None:
+    """Fail before slow work where the token cache cannot be a directory. An existing one need not be
+    writable: a shared read-only cache that already holds every entry works."""
+    if path.exists() and not path.is_dir():
+        raise SwitchheadError(f"{what} {path} exists and is not a directory")
+    if not path.is_dir():
+        check_creatable(path, what)
 
 
 def file_digest(path: str | Path) -> str:
@@ -83,13 +120,22 @@ def cached_tokens(
     ).hexdigest()
     target = cache_dir / f"{key[:32]}.npy"
     if not target.is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        ids = encode_file(sp, path, unwrap=unwrap)
         tmp = cache_dir / f".{target.name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            np.save(f, ids.astype(token_dtype(sp), copy=False))
-        os.replace(tmp, target)
-    return np.load(target, mmap_mode="r")
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)  # before the slow encoding, so a bad cache fails fast
+            ids = encode_file(sp, path, unwrap=unwrap)
+            with open(tmp, "wb") as f:
+                np.save(f, ids.astype(token_dtype(sp), copy=False))
+            os.replace(tmp, target)
+        except OSError as e:
+            raise SwitchheadError(f"cannot write the token cache in {cache_dir}: {e.strerror or e}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+    try:
+        return np.load(target, mmap_mode="r")
+    except OSError as e:
+        raise SwitchheadError(f"cannot read the token cache {target}: {e.strerror or e}") from None
 
 
 class TokenStream:

@@ -28,6 +28,7 @@ from switchhead.model.tokenizer import load_tokenizer, save_tokenizer, tokenizer
 from switchhead.train.data import (
     LaneBatcher,
     TokenStream,
+    check_cache_dir,
     check_data_files,
     default_cache_dir,
     eval_chunks,
@@ -131,13 +132,9 @@ def _setup_distributed(device_opt: str | None) -> tuple[torch.device, bool]:
         return device, True
     if device_opt is None:
         device_opt = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device_opt)
-    except RuntimeError as e:
-        raise SwitchheadError(f"bad --device {device_opt!r}: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SwitchheadError("--device cuda requested but no CUDA GPU is available")
-    return device, False
+    from switchhead.runtime.commands import resolve_device
+
+    return resolve_device(device_opt), False
 
 
 def _amp_dtype(device: torch.device, dtype_opt: str | None) -> torch.dtype:
@@ -281,12 +278,17 @@ def _validate(opts: TrainOptions) -> None:
         raise SwitchheadError(f"--vocab-size must be a positive integer, got {opts.vocab_size!r}")
     if not _finite(opts.lr) or not opts.lr > 0:
         raise SwitchheadError(f"--lr must be a positive finite number, got {opts.lr}")
+    if opts.lr > _MAX_LR:  # AdamW's first step is 10 * lr: past this it cannot even be applied to float32 weights
+        raise SwitchheadError(f"--lr must be at most {_MAX_LR:.1e} (AdamW's step overflows float32), got {opts.lr}")
     if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
         raise SwitchheadError(f"--warmup must be an integer >= 0, got {opts.warmup!r}")
     if opts.grad_clip is not None and (not _finite(opts.grad_clip) or opts.grad_clip < 0):
         raise SwitchheadError(
             f"--grad-clip must be a finite number >= 0 (0 disables clipping), got {opts.grad_clip}"
         )
+
+
+_MAX_LR = float(torch.finfo(torch.float32).max) / 20
 
 
 def _finite(v) -> bool:
@@ -309,6 +311,8 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     eval_files = check_data_files(opts.eval_data, "evaluation data") if opts.eval_data else []
     old_spec = check_out_dir(out, opts.resume)  # with --resume, a run with its checkpoint; else None
     ckpt_dir = out / CHECKPOINT_DIR
+    cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
+    check_cache_dir(cache_dir, "--cache-dir" if opts.cache_dir else "token cache directory")
     _barrier()  # every rank has checked the directory before rank 0 starts writing into it
 
     # Tokenizer: the run's own copy when resuming; else the given one; else trained by rank 0 on the data.
@@ -344,7 +348,6 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         compare_specs(old_spec, spec)
 
     # Token caches: rank 0 builds them, the others then map the finished files.
-    cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
     if is_main:
         load_stream(sp, data_files + eval_files, cache_dir, unwrap=opts.unwrap)
     _barrier()
@@ -425,6 +428,14 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     last_loss = val_ppl = None
     step = start_step
     interrupted = False
+    saved_step = start_step if opts.resume else None
+
+    def diverged(at: int, problem: str) -> SwitchheadError:
+        kept = f"{ckpt_dir} still holds step {saved_step}" if saved_step is not None else "no checkpoint was written"
+        return SwitchheadError(
+            f"training diverged at step {at}: {problem}; stopped without saving it ({kept}); "
+            f"start a new run with a lower --lr than {opts.lr:g}"
+        )
 
     def log(record: dict) -> None:
         if metrics is not None:
@@ -432,10 +443,16 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
             metrics.flush()
 
     def checkpoint(step_done: int) -> None:
+        nonlocal saved_step
         # Collective: every rank contributes its lanes' memory and its RNG state; rank 0 alone writes.
         full_memory = _gather_lanes(memory)
         rngs = _gather_objects({k: v.tolist() for k, v in _rng_state(device).items()})
         sums = _gather_objects(_param_checksum(model))
+        # A sum of float32 values in float64 cannot overflow: it is finite exactly when every weight is.
+        # Checked before every save: the loss is only looked at every --log-every steps, and a finite loss says
+        # nothing of the update it drove.
+        if not all(math.isfinite(s) for s in sums):
+            raise diverged(step_done, "the weights are not finite")
         if len(set(sums)) != 1:
             raise RuntimeError(f"DDP ranks diverged: parameter checksums {sums}")
         if is_main:
@@ -456,12 +473,12 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
             }
             write_training_checkpoint(ckpt_dir, model, sp, opt, state, tensors)
         _barrier()
+        saved_step = step_done
 
     try:
         with _StopFlag() as stop:
             model.train()
-            loss_sum = torch.zeros((), device=device)
-            loss_n = 0
+            losses: list[torch.Tensor] = []  # this log interval's, left on the device: no sync per step
             t_last = time.perf_counter()
             for step in range(start_step, opts.steps):
                 if batcher.position(step)[1] == 0:
@@ -483,18 +500,22 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 scaler.step(opt)
                 scaler.update()
-                loss_sum += lm_loss.detach()
-                loss_n += 1
+                losses.append(lm_loss.detach())
                 done = step + 1
 
                 if done % opts.log_every == 0 or done == opts.steps:
-                    mean = loss_sum / loss_n
+                    per_step = torch.stack(losses)
                     if _dist_on():
-                        dist.all_reduce(mean)
-                        mean /= world
-                    last_loss = mean.item()
+                        dist.all_reduce(per_step)
+                        per_step /= world
+                    values = per_step.tolist()
+                    first = done - len(values)
+                    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+                    if bad is not None:
+                        raise diverged(first + bad + 1, f"the training loss is {values[bad]}")
+                    last_loss = sum(values) / len(values)
                     now = time.perf_counter()
-                    tps = loss_n * tokens_per_step / max(now - t_last, 1e-9)
+                    tps = len(values) * tokens_per_step / max(now - t_last, 1e-9)
                     log(
                         {
                             "step": done,
@@ -508,12 +529,13 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     bar.set_postfix(
                         loss=f"{last_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}", refresh=False
                     )
-                    loss_sum.zero_()
-                    loss_n, t_last = 0, now
+                    losses, t_last = [], now
                 bar.update(1)
 
                 if eval_stream is not None and (done % opts.eval_every == 0 or done == opts.steps):
                     ev = evaluate(model, eval_stream, opts.eval_batch_size or opts.batch_size, device, amp_dtype)
+                    if not math.isfinite(ev["val_loss"]):
+                        raise diverged(done, f"the validation loss is {ev['val_loss']}")
                     val_ppl = ev["val_ppl"]
                     log({"step": done, **ev})
                     if is_main:

@@ -160,13 +160,15 @@ def compare_specs(old: dict, new: dict) -> None:
             f"{new['options']['vocab_size']!r}); the run keeps its tokenizer"
         )
     for key in ("model_config", "tokenizer_sha256", "data", "batch_size", "lr", "warmup", "seed", "unwrap"):
-        if old.get(key) != new.get(key):
-            if key == "model_config":
-                detail = _changes(old[key], new[key])
-            elif key == "data":
-                detail = "the data files or their contents differ"
-            else:
-                detail = f"{old.get(key)!r} -> {new.get(key)!r}"
+        if key == "model_config":  # the name is a label, not part of the model (ModelConfig's == skips it too)
+            detail = _changes(old.get(key) or {}, new[key], skip=("name",))
+        elif old.get(key) == new.get(key):
+            continue
+        elif key == "data":
+            detail = "the data files or their contents differ"
+        else:
+            detail = f"{old.get(key)!r} -> {new.get(key)!r}"
+        if detail:
             raise SwitchheadError(
                 f"cannot resume: {key.replace('_', ' ')} changed since the run started ({detail})"
             )
