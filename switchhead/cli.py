@@ -288,7 +288,8 @@ def inspect(ckpt, text, text_file, out, layers, heads, window, as_json, no_progr
 @main.command("export")
 @click.option("--onnx", "to_onnx", is_flag=True, help="Export to ONNX (the only target so far).")
 @click.option("--ckpt", type=click.Path(), help="Checkpoint directory (default: the built-in model).")
-@click.option("--out", type=click.Path(), help="Output directory (default: CKPT-onnx next to the checkpoint).")
+@click.option("--out", type=click.Path(), help="Output directory (default: CKPT-onnx next to the checkpoint; "
+              "./switchhead-default-onnx for the built-in model).")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 is supported).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 or fp16 weights and activations.")
 @click.option("--quantize", help="int8: ONNX Runtime dynamic quantisation of the dense matmuls.")
