@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
 from switchhead.fileio import atomic_directory, check_output_dir
+from switchhead.runtime.backends import check_ids, check_tokenizer
 from switchhead.runtime.sampling import check_utf8
 
 DEFAULT_WINDOW = 64
@@ -107,6 +108,8 @@ def parse_indices(spec: str | None, what: str) -> list[int] | None:
 def _check_range(values: list[int] | None, n: int, what: str) -> list[int]:
     if values is None:
         return list(range(n))
+    if not values:
+        raise SwitchheadError(f"no {what} given: name at least one, or none for all {n}")
     bad = [v for v in values if not 0 <= v < n]
     if bad:
         raise SwitchheadError(f"{what} {bad[0]} out of range: the model has {n} {what}s (0..{n - 1})")
@@ -124,6 +127,7 @@ def collect(model, ids: Sequence[int], layers: Sequence[int] | None = None) -> l
     layers = _check_range(list(layers) if layers is not None else None, cfg.n_layers, "layer")
     device = next(model.parameters()).device
     ids_t = torch.as_tensor(list(ids), dtype=torch.long, device=device)[None]
+    check_ids(ids_t, cfg.vocab_size)
     was_training = model.training
     model.eval()
     model.record_attention(True)
@@ -490,6 +494,7 @@ def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[
     cfg = model.config
     if tokenizer is None:
         raise SwitchheadError("the checkpoint has no tokenizer.model; inspect needs it to label the tokens")
+    check_tokenizer(tokenizer, cfg)
     if not isinstance(window, int) or window < 1:
         raise SwitchheadError(f"--window must be a positive integer, got {window!r}")
     if not text.strip():

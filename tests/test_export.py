@@ -195,6 +195,17 @@ def test_main_parity_multi_chunk(exported, model, batch):
     assert int(cache.seen[0]) == ids.shape[1]
 
 
+def test_bad_ids_are_refused_as_by_the_torch_backend(exported, model):
+    # ONNX Runtime's Gather wraps negative ids around: -1 used to score as the last piece, silently.
+    backend, V = load_backend(exported), model.config.vocab_size
+    for ids, message in ((torch.tensor([[-1, 3]]), "token id -1 is outside the vocabulary"),
+                         (torch.tensor([[3, V]]), f"token id {V} is outside the vocabulary"),
+                         (torch.zeros(1, 0, dtype=torch.long), "input_ids must be [batch, tokens] with tokens >= 1")):
+        for b in (backend, TorchBackend(model)):
+            with pytest.raises(switchhead.SwitchheadError, match=re.escape(message)):
+                b.logits(ids)
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_variant_parity_multi_chunk(variant_exports, name, batch):

@@ -251,6 +251,22 @@ def test_bad_input_is_one_line_exit_2(ckpt, tmp_path, args, message):
     assert message in r.output and r.output.startswith("Error:") and r.output.count("\n") == 1, r.output
 
 
+def test_library_bad_arguments(ckpt, tmp_path):
+    from switchhead import load
+    from switchhead.analysis import inspect_text
+    from switchhead.errors import SwitchheadError
+
+    model, sp = load(ckpt / "ckpt")
+    with pytest.raises(SwitchheadError, match="no layer given: name at least one, or none for all 2"):
+        inspect_text(model, sp, TEXT, tmp_path / "a", layers=[])
+    with pytest.raises(SwitchheadError, match="pieces but the model's vocab_size"):
+        inspect_text(TransformerLM(model.config.replace(vocab_size=sp.get_piece_size() + 1)), sp, TEXT, tmp_path / "b")
+    for ids in ([5, model.config.vocab_size], [-1]):
+        with pytest.raises(SwitchheadError, match="is outside the vocabulary"):
+            collect(model, ids)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_output_path_that_is_a_file(ckpt, tmp_path):
     target = tmp_path / "file.txt"
     target.write_text("keep me")

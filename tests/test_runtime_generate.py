@@ -2,6 +2,8 @@
 
 import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +282,53 @@ def test_cli_stdin_that_is_not_utf8_is_one_line_exit_2(ckpt):
     assert r.exit_code == 2, r.output
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("Error: the prompt on stdin is not valid UTF-8"), r.stderr
+
+
+# --- the library API with bad arguments ---------------------------------------------------------------------
+
+def test_library_calls_with_bad_arguments_are_one_clear_error(model, sp, gen, ckpt):
+    from tiny import word_tokenizer
+
+    from switchhead.runtime import feed
+
+    V = model.config.vocab_size
+    params = SamplingParams(temperature=0, max_new_tokens=3)
+    other = word_tokenizer(WORDS, vocab_size=sp.get_piece_size() + 7)
+    cases = [
+        (lambda: Generator(TorchBackend(model), other), "pieces but the model's vocab_size"),
+        (lambda: Generator(model, sp), "Generator needs a Backend"),
+        (lambda: Generator(TorchBackend(model), None), "needs the model's SentencePiece tokenizer"),
+        (lambda: gen.generate([None], params), "a prompt must be a string, got NoneType"),
+        (lambda: gen.generate(["the fox"], None), "params must be SamplingParams"),
+        (lambda: gen.generate_ids([[V]], params), f"token id {V} is outside the vocabulary"),
+        (lambda: gen.generate_ids([[3, -1]], params), "token id -1 is outside"),
+        (lambda: gen.generate_ids([[3, 2.0]], params), "token id 2.0 is outside"),
+        (lambda: TorchBackend(model).logits(torch.tensor([[1, V]])), f"token id {V} is outside"),
+        (lambda: TorchBackend(model).logits(torch.tensor([[1.0]])), "token ids must be an integer tensor"),
+        (lambda: feed(TorchBackend(model), TorchBackend(model).new_cache(1), [[-1]]), "token id -1"),
+        (lambda: SamplingParams(stop=[1]), "stop strings must be strings"),
+        (lambda: SamplingParams(stop=5), "stop must be a string or a list of strings"),
+        (lambda: switchhead.save(ckpt + "-other", model, other), "pieces but the model's vocab_size"),
+        (lambda: switchhead.load(""), "the checkpoint path is empty"),
+        (lambda: switchhead.load(ckpt, device="meta"), "device 'meta' cannot run a model"),
+        (lambda: switchhead.load(ckpt, dtype="float16"), "dtype must be a floating-point torch.dtype"),
+        (lambda: switchhead.load(ckpt, dtype=torch.int64), "dtype must be a floating-point torch.dtype"),
+    ]
+    for call, message in cases:
+        with pytest.raises(SwitchheadError, match=re.escape(message)):
+            call()
+    assert not Path(ckpt + "-other").exists()
+
+
+def test_one_string_is_one_prompt_or_one_stop(gen):
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    (one,), (listed,) = gen.generate("the fox", params), gen.generate(["the fox"], params)
+    assert (one.prompt, one.tokens) == (listed.prompt, listed.tokens)
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",) and SamplingParams(stop=None).stop == ()
+
+
+@pytest.mark.parametrize("flag", ["--ckpt", "--onnx"])
+def test_cli_empty_model_path_is_not_the_builtin_model(flag):
+    r = _run([flag, "", "hi"])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.startswith("Error: ") and ("path is empty" in r.stderr or "--onnx needs a directory" in r.stderr)

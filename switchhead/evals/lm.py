@@ -43,7 +43,7 @@ def _device(device: str | None) -> str:
     # (switchhead's evaluate() refuses an explicit cuda without CUDA before constructing us.)
     if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
         return "cpu"
-    from switchhead.runtime.commands import resolve_device
+    from switchhead.devices import resolve_device
 
     return str(resolve_device(device))  # an unknown name is a one-line error here, not a "corrupt checkpoint"
 

@@ -63,7 +63,7 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
     if ckpt is not None and not Path(ckpt).is_dir():
         raise SwitchheadError(f"checkpoint directory not found: {ckpt}")
     if device is not None:
-        from switchhead.runtime.commands import resolve_device
+        from switchhead.devices import resolve_device
 
         # SwitchheadLM falls back to the CPU, as lm-eval's CLI asks for cuda by default; a user who asked for
         # cuda here must learn it is missing rather than wait for a CPU run.

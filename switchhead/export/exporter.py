@@ -302,8 +302,8 @@ def layout(cfg: ModelConfig, dtype: str, quantize: str | None) -> dict:
         "dynamic_axes": list(DYNAMIC),
         "inputs": inputs,
         "outputs": outputs,
-        "visibility": "query t sees key s iff s is valid and 0 <= position_ids[t] - pos[s] < window, where the "
-                      "keys are the past slots followed by this step's tokens",
+        "visibility": "query t sees key s iff s is valid and position_ids[t] - pos[s] >= 0, where the keys are "
+                      "the past slots followed by this step's tokens (valid keys all lie within the window)",
         "memory": {
             "kind": "transformer-xl fixed window",
             "chunk_len": T,
@@ -379,7 +379,7 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     from switchhead.model.checkpoint import resolve_checkpoint
 
     check_options(dtype, quantize, opset)
-    builtin = model is None and not ckpt
+    builtin = model is None and ckpt is None
     if model is None:
         ckpt = resolve_checkpoint(ckpt)
         if not Path(ckpt).is_dir():
@@ -394,7 +394,7 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
         if builtin:
             src = Path.cwd() / "switchhead-default"
         else:
-            src = Path(ckpt).resolve() if ckpt else Path.cwd() / "model"
+            src = Path(ckpt).resolve() if ckpt is not None else Path.cwd() / "model"
         out = src.with_name(f"{src.name}-onnx")
     out = check_output_dir(out, is_export, "a switchhead ONNX export")  # before tracing, which takes a while
     from tqdm import tqdm

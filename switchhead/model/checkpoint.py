@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from switchhead.devices import resolve_device
 from switchhead.errors import CheckpointError, ConfigError
 from switchhead.fileio import atomic_directory, check_output_dir, holds_only
 from switchhead.model.config import ModelConfig
@@ -23,8 +24,10 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "defaul
 
 
 def resolve_checkpoint(path: str | Path | None) -> Path:
-    """`path`, or the built-in default model when no path is given."""
-    if path:
+    """`path`, or the built-in default model when no path is given (None; an empty path is an error)."""
+    if path is not None:
+        if not str(path):
+            raise CheckpointError("the checkpoint path is empty; give a directory, or none for the built-in model")
         return Path(path)
     if not is_checkpoint(DEFAULT_CHECKPOINT):
         raise CheckpointError("no model given and the built-in default model is not installed: pass --ckpt DIR")
@@ -42,6 +45,9 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     Refuses to replace a non-empty directory that is not a checkpoint written here, so nothing unrelated is
     ever lost.
     """
+    if tokenizer is not None and tokenizer.get_piece_size() != model.config.vocab_size:  # load would refuse it
+        raise CheckpointError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model's vocab_size is "
+                              f"{model.config.vocab_size}; they do not belong together")
     path = check_output_dir(path, _replaceable, "a switchhead checkpoint")
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     with atomic_directory(path) as tmp:
@@ -105,6 +111,9 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
 
     Weights are cast to `dtype` (float32 by default, so half-precision checkpoints run anywhere); pass
     None to keep the stored dtype."""
+    device = resolve_device(device)
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise CheckpointError(f"dtype must be a floating-point torch.dtype, or None for the stored one; got {dtype!r}")
     path = resolve_checkpoint(path)
     config = load_config(path)
     if not (path / WEIGHTS).is_file():

@@ -21,14 +21,41 @@ Scoring (evaluation, perplexity) calls ``Backend.logits(ids, state)`` on whole r
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from switchhead.errors import SwitchheadError
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 from switchhead.runtime.cache import XLCache
+
+
+def check_ids(ids: Tensor | Sequence[Sequence[int]], vocab_size: int) -> None:
+    """A `SwitchheadError` unless every token id indexes the vocabulary: out of range, PyTorch's embedding
+    raises a bare IndexError and ONNX Runtime's Gather silently wraps negative ids around."""
+    if isinstance(ids, Tensor):
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise SwitchheadError(f"token ids must be an integer tensor, got {ids.dtype}")
+        bad = None
+        if ids.numel():
+            lo, hi = ids.min().item(), ids.max().item()
+            bad = lo if lo < 0 else hi if hi >= vocab_size else None
+    else:
+        bad = next((t for row in ids for t in row
+                    if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SwitchheadError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_tokenizer(tokenizer, config: ModelConfig) -> None:
+    """The tokenizer must have the model's vocabulary size (else its ids index the wrong embedding rows)."""
+    if tokenizer is not None and tokenizer.get_piece_size() != config.vocab_size:
+        raise SwitchheadError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model's vocab_size "
+                              f"is {config.vocab_size}; they do not belong together")
 
 
 class Backend(ABC):
@@ -48,6 +75,8 @@ class Backend(ABC):
         previous call returned, None for fresh streams -- and the state after them."""
         from switchhead.runtime.engine import feed  # the engine builds on backends, not the other way
 
+        if ids.dim() != 2 or ids.shape[1] < 1:  # the message TransformerLM.forward gives for the same input
+            raise SwitchheadError(f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(ids.shape)}")
         cache = state if state is not None else self.new_cache(ids.shape[0])
         return torch.stack(feed(self, cache, ids.tolist(), keep="all")), cache
 
@@ -71,4 +100,5 @@ class TorchBackend(Backend):
     def logits(self, ids: Tensor, state: object | None = None) -> tuple[Tensor, object]:
         # The chunked training forward computes a whole chunk per layer call; equal to feeding the cache
         # (tested) and faster for long rows. Its state is the XL memory, not an XLCache.
+        check_ids(ids, self.config.vocab_size)
         return self.model(ids.to(self.device), state)

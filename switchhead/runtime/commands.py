@@ -7,34 +7,21 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
+from switchhead.devices import resolve_device
 from switchhead.errors import SwitchheadError
 from switchhead.runtime.backends import TorchBackend
 from switchhead.runtime.engine import Generator
 from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
 
 
-def resolve_device(device: str | None) -> torch.device:
-    try:
-        dev = torch.device(device or "cpu")
-    except RuntimeError as e:
-        raise SwitchheadError(f"unknown device {device!r}: {e}") from None
-    if dev.type not in ("cpu", "cuda", "mps"):  # e.g. meta, which holds no data
-        raise SwitchheadError(f"device {device!r} cannot run a model; use cpu, cuda or mps")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SwitchheadError(f"device {device!r} requested but CUDA is not available")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise SwitchheadError(f"device {device!r} requested but MPS is not available")
-    return dev
-
-
 def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | None = None) -> Generator:
     from switchhead.model.checkpoint import load
 
-    if ckpt and onnx_dir:
+    if ckpt is not None and onnx_dir is not None:
         raise SwitchheadError("give --ckpt or --onnx, not both")
-    if onnx_dir:
+    if onnx_dir is not None:
+        if not str(onnx_dir):  # not the built-in model: that one is PyTorch, and the user asked for ONNX
+            raise SwitchheadError("--onnx needs a directory (an export of `switchhead export --onnx`)")
         from switchhead.export import load_backend
 
         backend = load_backend(onnx_dir)

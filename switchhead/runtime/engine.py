@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from switchhead.errors import SwitchheadError
-from switchhead.runtime.backends import Backend
+from switchhead.runtime.backends import Backend, check_ids, check_tokenizer
 from switchhead.runtime.cache import XLCache
 from switchhead.runtime.sampling import SamplingParams, check_seed, check_utf8, choose, seed_or_random
 
@@ -29,6 +29,7 @@ def feed(backend: Backend, cache: XLCache, rows: Sequence[Sequence[int]], step: 
     """
     if len(rows) != cache.batch:
         raise SwitchheadError(f"feed got {len(rows)} rows for a cache of batch {cache.batch}")
+    check_ids(rows, backend.config.vocab_size)
     step = cache.T if step is None else step
     if step < 1:
         raise SwitchheadError(f"step must be >= 1, got {step}")
@@ -145,9 +146,7 @@ def _rate(n: int, s: float) -> float | None:
 
 def _banned_ids(sp, eos: int, vocab: int) -> Tensor | None:
     """Ids that are never sampled: UNK (it decodes to ' ⁇ ', not text) and control pieces other than EOS."""
-    if sp is None:
-        return None
-    ids = [i for i in range(min(vocab, sp.get_piece_size()))
+    ids = [i for i in range(vocab)
            if sp.is_unknown(i) or (sp.is_control(i) and i != eos)]
     if not ids:
         return None
@@ -164,8 +163,13 @@ class Generator:
     """
 
     def __init__(self, backend: Backend, tokenizer, prime_eos: bool = True, prefill_step: int | None = None):
+        if not isinstance(backend, Backend):
+            raise SwitchheadError(f"Generator needs a Backend (e.g. TorchBackend(model)), got {type(backend).__name__}")
+        if tokenizer is None:
+            raise SwitchheadError("Generator needs the model's SentencePiece tokenizer (its tokenizer.model)")
+        check_tokenizer(tokenizer, backend.config)
         self.backend, self.sp = backend, tokenizer
-        self.eos = tokenizer.eos_id() if tokenizer is not None else -1
+        self.eos = tokenizer.eos_id()
         self.prime = [self.eos] if prime_eos and self.eos >= 0 else []
         self.prefill_step = prefill_step
         self.banned = _banned_ids(tokenizer, self.eos, backend.config.vocab_size)
@@ -179,7 +183,9 @@ class Generator:
             self._warm = True
 
     def encode(self, prompt: str) -> list[int]:
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(prompt, str):
+            raise SwitchheadError(f"a prompt must be a string, got {type(prompt).__name__}")
+        if not prompt.strip():
             raise SwitchheadError("empty prompt: give some text to continue")
         check_utf8(prompt, "prompt")  # SentencePiece cannot take lone surrogates
         ids = self.sp.encode(prompt)
@@ -191,7 +197,8 @@ class Generator:
                  on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
         """Generate for a batch of prompts at once. Row i samples with ``seeds[i]`` (default: params.seed, or
         a random seed; every seed in [0, 2**64 - 1]); its result does not depend on the other rows.
-        `on_text(i, text)` streams text."""
+        `on_text(i, text)` streams text. A single string is one prompt."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         return self.generate_ids([self.encode(p) for p in prompts], params, seeds, on_text, prompts)
 
     def generate_ids(self, encoded: Sequence[Sequence[int]], params: SamplingParams,
@@ -201,6 +208,9 @@ class Generator:
         encoded = [list(ids) for ids in encoded]
         if not encoded:
             return []
+        check_ids(encoded, self.backend.config.vocab_size)
+        if not isinstance(params, SamplingParams):
+            raise SwitchheadError(f"params must be SamplingParams, got {type(params).__name__}")
         if not self.prime and not all(encoded):
             raise SwitchheadError("an empty prompt needs a tokenizer with an EOS id to start from")
         prompts = prompts if prompts is not None else [self.sp.decode(ids) for ids in encoded]

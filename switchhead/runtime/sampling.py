@@ -65,7 +65,12 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
+        # One string is one stop string (as in the OpenAI API), not a sequence of one-character stops.
+        stop = (self.stop,) if isinstance(self.stop, str) else () if self.stop is None else self.stop
+        try:
+            object.__setattr__(self, "stop", tuple(stop))
+        except TypeError:
+            raise SwitchheadError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
         checks = [
             ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, ">= 1"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, ">= 0 (0 = greedy)"),
@@ -77,7 +82,9 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise SwitchheadError(f"{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if any(not isinstance(s, str) for s in self.stop):
+            raise SwitchheadError(f"stop strings must be strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
             raise SwitchheadError("stop strings must be non-empty")
         for i, s in enumerate(self.stop):  # generated text is always valid UTF-8: such a stop could never match
             check_utf8(s, f"stop string {i}")

@@ -132,7 +132,7 @@ def _setup_distributed(device_opt: str | None) -> tuple[torch.device, bool]:
         return device, True
     if device_opt is None:
         device_opt = "cuda" if torch.cuda.is_available() else "cpu"
-    from switchhead.runtime.commands import resolve_device
+    from switchhead.devices import resolve_device
 
     return resolve_device(device_opt), False
 
