@@ -497,11 +497,13 @@ def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[
     check_tokenizer(tokenizer, cfg)
     if not isinstance(window, int) or window < 1:
         raise SwitchheadError(f"--window must be a positive integer, got {window!r}")
+    if not isinstance(text, str):
+        raise SwitchheadError(f"the text to inspect must be a string, got {type(text).__name__}")
     if not text.strip():
         raise SwitchheadError("the text to inspect is empty")
+    check_utf8(text, "the text to inspect")
     heads = _check_range(list(heads) if heads is not None else None, n_maps(cfg), "head")
     layers = _check_range(list(layers) if layers is not None else None, cfg.n_layers, "layer")
-    check_utf8(text, "the text to inspect")
     out = prepare_out(out)
     ids = tokenizer.encode(text)
     pieces = [tokenizer.id_to_piece(i) for i in ids]

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from switchhead.cli import main
 from switchhead.errors import SwitchheadError
 from switchhead.evals import data
+from switchhead.evals.run import evaluate
 from switchhead.model import PRESETS, TransformerLM, save
 
 NAMES = ["mary", "john", "alice", "tom", "lucy", "peter"]
@@ -352,7 +353,6 @@ def test_eval_prints_nothing_on_stderr_with_no_progress_outside_a_git_repository
     ckpt, d, _, _ = env
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    from switchhead.evals.run import evaluate
 
     evaluate("lambada,cbt", ckpt=str(ckpt), data_dir=d, limit=2, progress=False, output=tmp_path / "r.json")
     assert capfd.readouterr().err == ""
@@ -393,6 +393,17 @@ def test_cli_offline_without_data_dir_fails_fast(env, monkeypatch):
     r = run_cli("--tasks", "blimp", "--ckpt", str(ckpt))
     assert r.exit_code == 2 and "--data-dir" in r.output and "unreachable" in r.output, r.output
     assert time.monotonic() - t < 5
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"tasks": None}, "tasks must be a string such as 'lambada,blimp' or a list of names, got None"),
+    ({"tasks": ["lambada", 3]}, "tasks must be a string"),
+    ({"tasks": "lambada", "limit": "a"}, "--limit must be a positive number"),
+    ({"tasks": "lambada", "limit": True}, "--limit must be a positive number"),
+])
+def test_evaluate_bad_arguments(tmp_path, kwargs, message):
+    with pytest.raises(SwitchheadError, match=re.escape(message)):
+        evaluate(**kwargs, ckpt=str(tmp_path), data_dir=tmp_path)
 
 
 def test_bad_data_file_is_a_clear_error(tmp_path):
@@ -554,7 +565,6 @@ def test_evaluate_refuses_cuda_without_cuda_but_lm_eval_falls_back(env, tmp_path
     # lm-eval's CLI asks for cuda by default, so SwitchheadLM runs on the CPU without it; a user who asked
     # switchhead for cuda must hear that it is missing, before anything is loaded.
     from switchhead.evals import SwitchheadLM
-    from switchhead.evals.run import evaluate
 
     ckpt, d, _, _ = env
     lm = SwitchheadLM(ckpt=str(ckpt), device="cuda", progress=False)

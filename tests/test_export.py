@@ -296,6 +296,12 @@ def test_cli_needs_target_and_checkpoint(tmp_path):
     assert r.exit_code == 2 and "not found" in r.output
 
 
+def test_export_needs_a_model(tmp_path):
+    with pytest.raises(ExportError, match="export needs a TransformerLM, got str"):
+        export(None, tmp_path / "x", model="tiny-switchhead")
+    assert not (tmp_path / "x").exists()
+
+
 def test_unsupported_config_is_named():
     cfg = PRESETS["tiny-switchhead"].replace(n_layers=1)
     object.__setattr__(cfg, "attention", "linear")  # a kind a future config may add

@@ -257,6 +257,8 @@ def test_library_bad_arguments(ckpt, tmp_path):
     from switchhead.errors import SwitchheadError
 
     model, sp = load(ckpt / "ckpt")
+    with pytest.raises(SwitchheadError, match="the text to inspect must be a string, got NoneType"):
+        inspect_text(model, sp, None, tmp_path / "a")
     with pytest.raises(SwitchheadError, match="no layer given: name at least one, or none for all 2"):
         inspect_text(model, sp, TEXT, tmp_path / "a", layers=[])
     with pytest.raises(SwitchheadError, match="pieces but the model's vocab_size"):

@@ -27,6 +27,8 @@ _RESULTS_MAX_BYTES = 64 << 20  # without samples (never logged here) a results f
 
 
 def parse_tasks(spec: str | list[str]) -> list[str]:
+    if not isinstance(spec, str) and not (isinstance(spec, (list, tuple)) and all(isinstance(t, str) for t in spec)):
+        raise SwitchheadError(f"tasks must be a string such as 'lambada,blimp' or a list of names, got {spec!r}")
     names = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
     if not names:
         raise SwitchheadError(f"no task given; choose from {', '.join(TASKS)}")
@@ -53,7 +55,7 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
     `output` as JSON when given). Inputs are validated before anything slow happens. `threads` sets torch's
     intra-op CPU threads for the process (None: leave as is)."""
     names = parse_tasks(tasks)
-    if limit is not None and limit < 1:
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise SwitchheadError(f"--limit must be a positive number of examples per task, got {limit}")
     if data_dir is not None:
         data.check_data_dir(data_dir, names)

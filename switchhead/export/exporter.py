@@ -387,6 +387,8 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
         from switchhead.model.checkpoint import load
 
         model, tokenizer = load(ckpt)
+    elif not isinstance(model, TransformerLM):
+        raise ExportError(f"export needs a TransformerLM, got {type(model).__name__}")
     cfg = model.config
     check_config(cfg)
     if out is None:

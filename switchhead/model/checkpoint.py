@@ -45,6 +45,8 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     Refuses to replace a non-empty directory that is not a checkpoint written here, so nothing unrelated is
     ever lost.
     """
+    if not isinstance(model, TransformerLM):
+        raise CheckpointError(f"save needs a TransformerLM, got {type(model).__name__}")
     if tokenizer is not None and tokenizer.get_piece_size() != model.config.vocab_size:  # load would refuse it
         raise CheckpointError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model's vocab_size is "
                               f"{model.config.vocab_size}; they do not belong together")

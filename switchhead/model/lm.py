@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import ConfigError, SwitchheadError
 from switchhead.model.config import ModelConfig
 from switchhead.model.layers import Block, SigmaMoE
 
@@ -24,6 +24,8 @@ class KVCache(Protocol):
 class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ConfigError(f"TransformerLM needs a ModelConfig (e.g. PRESETS[name]), got {type(config).__name__}")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))

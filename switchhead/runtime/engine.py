@@ -198,7 +198,10 @@ class Generator:
         """Generate for a batch of prompts at once. Row i samples with ``seeds[i]`` (default: params.seed, or
         a random seed; every seed in [0, 2**64 - 1]); its result does not depend on the other rows.
         `on_text(i, text)` streams text. A single string is one prompt."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif not isinstance(prompts, Sequence):
+            raise SwitchheadError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         return self.generate_ids([self.encode(p) for p in prompts], params, seeds, on_text, prompts)
 
     def generate_ids(self, encoded: Sequence[Sequence[int]], params: SamplingParams,
