@@ -301,3 +301,15 @@ def test_device_that_cannot_train(corpus, tmp_path, device, message):
     out = tmp_path / "run"
     _assert_user_error(_tiny(out, corpus, tmp_path, "--device", device), message)
     assert not out.exists()
+
+
+def test_model_larger_than_the_machine_is_refused_before_any_work(corpus, tmp_path):
+    # ~9e12 parameters: 16 bytes each for weights, gradients and AdamW state is more memory than any machine
+    # has, so the run stops before the tokenizer is trained, instead of in an allocation traceback after it.
+    cfg = tmp_path / "huge.json"
+    cfg.write_text(switchhead.PRESETS["tiny-switchhead"].replace(n_layers=4096, d_model=2**14, d_ff=2**16).to_json())
+    out = tmp_path / "run"
+    r = _run("--config", cfg, "--data", corpus, "--out", out, "--cache-dir", tmp_path / "cache", "--no-progress")
+    _assert_user_error(r, "needs at least")
+    assert "GiB for its weights, gradients and AdamW state; this machine has" in r.output
+    assert not out.exists() and not (tmp_path / "cache").exists()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from switchhead.errors import CheckpointError, SwitchheadError
+from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
 from switchhead.model.config import ModelConfig, resolve_config
 from switchhead.model.lm import TransformerLM
@@ -194,6 +195,23 @@ def _autocast(device: torch.device, amp_dtype: torch.dtype):
 # --- RNG ---
 
 
+def check_fits(config: ModelConfig, device: torch.device) -> None:
+    """Refuse, before the tokenizer and the data are prepared, a model whose fp32 weights, gradients and two
+    AdamW moments alone (16 bytes per parameter) exceed the device's whole memory: building it would end in
+    an allocation traceback, or the out-of-memory killer, only after that work."""
+    need = 16 * count_params(config)["total"]
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        have, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine has"
+    else:  # no portable way to ask: leave it to the allocator
+        return
+    if need > have:
+        raise SwitchheadError(f"the model ({count_params(config)['total']:,} parameters) needs at least "
+                              f"{need / 2**30:,.1f} GiB for its weights, gradients and AdamW state; {where} "
+                              f"{have / 2**30:,.1f} GiB")
+
+
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -307,6 +325,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         )
 
     base_config = opts.config if isinstance(opts.config, ModelConfig) else resolve_config(opts.config)
+    check_fits(base_config.replace(vocab_size=opts.vocab_size), device)  # the tokenizer's size is not known yet
     data_files = check_data_files(opts.data, "training data")
     eval_files = check_data_files(opts.eval_data, "evaluation data") if opts.eval_data else []
     old_spec = check_out_dir(out, opts.resume)  # with --resume, a run with its checkpoint; else None
