@@ -354,6 +354,21 @@ def test_bad_shapes_are_rejected():
         expert_projection(x, w[:, :-1], index, gate, 2)
     with pytest.raises(RuntimeError, match="float64"):
         expert_projection(x, w.double(), index, gate, 2)
+    for args in ((x[:, :0], w, index, gate, 2), (x, w, index[:, :0], gate[:, :0], 2), (x, w[..., :0], index, gate, 2),
+                 (x.long(), w.long(), index, gate, 2)):  # I = 0, S = 0, D_out = 0, integer inputs
+        with pytest.raises(RuntimeError, match="expected floating-point x"):
+            expert_projection(*args)
+
+
+@pytest.mark.parametrize("meta", ["x", "weight", "index", "gate"])
+def test_tensors_on_two_devices_are_rejected(meta):
+    # A meta tensor among CPU ones dispatches to the fake implementation, which used to return uninitialised
+    # memory; on a GPU machine the same check catches CPU/CUDA mixes.
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    args = dict(x=x, weight=w, index=index, gate=gate)
+    args[meta] = args[meta].to("meta")
+    with pytest.raises(RuntimeError, match=rf"must be on one device; got .*{meta} meta"):
+        expert_projection(**args, n_out=2)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[6]], ids=str)

@@ -78,9 +78,11 @@ def _check(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out:
     on every call, also at batch-1 decode where the whole op takes tens of microseconds."""
     ok = x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0
     ok = ok and weight.shape[1] == x.shape[2] and index.shape[0] == x.shape[0] and x.dtype == weight.dtype
+    ok = ok and x.shape[1] > 0 and index.shape[1] > 0 and weight.shape[2] > 0 and x.dtype.is_floating_point
     ok = ok and index.shape[1] % x.shape[1] == 0 and index.shape[1] % n_out == 0
     ok = ok and (gate is None or gate.shape == index.shape) and index.dtype in INDEX_DTYPES
     torch._check(bool(ok), lambda: _shape_error(x, weight, index, gate, n_out))
+    _check_devices(x, weight, index, gate)
     if index.device.type == "cpu" and index.numel():
         # An index outside [0, E) would otherwise be read as another expert's rows or wrap around, silently. On
         # the CPU the check is one small reduction; on CUDA it would need a host sync per call, so there the
@@ -98,7 +100,12 @@ def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
     every condition becomes a runtime assertion instead of a guard that would specialise the shape."""
     msg = lambda: _shape_error(x, weight, index, gate, n_out)  # noqa: E731
     torch._check(x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0, msg)
-    torch._check(x.dtype == weight.dtype and index.dtype in INDEX_DTYPES, msg)
+    torch._check(x.dtype == weight.dtype and x.dtype.is_floating_point and index.dtype in INDEX_DTYPES, msg)
+    # A meta tensor among real ones dispatches here: without this the caller got uninitialised memory.
+    _check_devices(x, weight, index, gate)
+    torch._check(x.shape[1] > 0, msg)
+    torch._check(index.shape[1] > 0, msg)
+    torch._check(weight.shape[2] > 0, msg)
     torch._check(weight.shape[1] == x.shape[2], msg)
     torch._check(index.shape[0] == x.shape[0], msg)
     torch._check(index.shape[1] % x.shape[1] == 0, msg)
@@ -108,11 +115,20 @@ def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
         torch._check(gate.shape[1] == index.shape[1], msg)
 
 
+def _check_devices(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> None:
+    devices = [t.device for t in (x, weight, index, gate) if t is not None]
+    torch._check(all(d == devices[0] for d in devices), lambda: (
+        "expert_projection: x, weight, index and gate must be on one device; got "
+        + ", ".join(f"{n} {t.device}" for n, t in zip(("x", "weight", "index", "gate"), (x, weight, index, gate))
+                    if t is not None)))
+
+
 def _shape_error(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> str:
     gate_shape = None if gate is None else tuple(gate.shape)
     return (
-        f"expert_projection: expected x [N, I, D_in], weight [E, D_in, D_out] of x's dtype, index [N, S] int64 "
-        f"or int32 and gate [N, S] or None, with I and R=n_out dividing S; got x {tuple(x.shape)} {x.dtype}, "
+        f"expert_projection: expected floating-point x [N, I, D_in], weight [E, D_in, D_out] of x's dtype, index "
+        f"[N, S] int64 or int32 and gate [N, S] or None, with I, S, D_out >= 1 and I and R=n_out dividing S; "
+        f"got x {tuple(x.shape)} {x.dtype}, "
         f"weight {tuple(weight.shape)} {weight.dtype}, index {tuple(index.shape)} {index.dtype}, gate {gate_shape}, "
         f"n_out {n_out}"
     )
