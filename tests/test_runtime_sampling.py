@@ -123,8 +123,24 @@ def test_processed_logits_composes_in_order():
     seen = torch.zeros_like(x, dtype=torch.bool)
     seen[:, :4] = True
     p = SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05, repetition_penalty=1.2)
-    want = min_p_filter(top_p_filter(top_k_filter(repetition_penalty(x, seen, 1.2) / 0.7, 8), 0.8), 0.05)
+    want = min_p_filter(top_p_filter(top_k_filter(repetition_penalty(x.double(), seen, 1.2) / 0.7, 8), 0.8), 0.05)
     assert torch.equal(processed_logits(x, p, seen), want)
+
+
+@pytest.mark.parametrize("params,allowed", [
+    (SamplingParams(repetition_penalty=1e-300), {2}),  # the seen positive logit / 1e-300: beyond float32
+    (SamplingParams(repetition_penalty=5e-324), {2}),  # beyond float64 too: clamped, still the one winner
+    (SamplingParams(temperature=1e39), {1, 2, 3}),  # inf in float32, and the banned -inf / inf was NaN
+    (SamplingParams(temperature=1e308, repetition_penalty=1e-300), {1, 2, 3}),
+    (SamplingParams(temperature=0, repetition_penalty=1e-300), {2}),
+])
+def test_extreme_accepted_values_never_sample_a_banned_token(params, allowed):
+    # Token 0 is banned (-inf, as the engine masks UNK); a NaN row used to make the draw fall through to it.
+    logits = torch.tensor([[float("-inf"), 1.0, 2.0, 3.0]]).expand(64, -1)
+    seen = torch.tensor([[False, False, True, False]]).expand(64, -1)
+    gens = [torch.Generator().manual_seed(i) for i in range(64)]
+    got = set(choose(logits, params, seen, gens).tolist())
+    assert got <= allowed and (len(got) > 1 or got == allowed)
 
 
 def test_greedy_and_seeded_choice():

@@ -134,14 +134,21 @@ def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
     return logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
 
 
-def processed_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
-    """All filters of `params` applied to fp32 logits [B, V] (temperature > 0)."""
-    x = logits.float()
+def _penalised(logits: Tensor, params: SamplingParams, seen: Tensor | None, temperature: float = 1.0) -> Tensor:
+    """Logits [B, V] after the repetition penalty and the temperature, in float64 with +inf clamped to the
+    largest float: any accepted penalty or temperature can overflow float32 (a logit / 1e-300 is inf, and a
+    banned token's -inf / inf is NaN), and one NaN row made the draw fall through to token 0."""
+    x = logits.double()
     if seen is not None:
         x = repetition_penalty(x, seen, params.repetition_penalty)
-    # Below ~1e-6, logits / temperature can overflow fp32 and turn the softmax into NaN; the ranking is
-    # already settled long before that, so tiny temperatures behave like 1e-6.
-    x = x / max(params.temperature, 1e-6)
+    return (x / temperature).clamp(max=torch.finfo(x.dtype).max)
+
+
+def processed_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
+    """All filters of `params` applied to logits [B, V] (temperature > 0), in float64."""
+    # Tiny temperatures behave like 1e-6: the ranking is settled long before, and far below it every logit
+    # would hit the clamp and tie.
+    x = _penalised(logits, params, seen, max(params.temperature, 1e-6))
     x = top_k_filter(x, params.top_k)
     x = top_p_filter(x, params.top_p)
     return min_p_filter(x, params.min_p)
@@ -160,8 +167,7 @@ def choose(logits: Tensor, params: SamplingParams, seen: Tensor | None,
            generators: list[torch.Generator] | None) -> Tensor:
     """Next token per row [B] from the last-position logits [B, V]."""
     if params.temperature == 0:
-        x = logits.float() if seen is None else repetition_penalty(logits.float(), seen, params.repetition_penalty)
-        return x.argmax(-1)
+        return _penalised(logits, params, seen).argmax(-1)
     probs = processed_logits(logits, params, seen).softmax(-1)
     # 1 - U[0, 1) lies in (0, 1]: a draw of exactly 0 could otherwise pick a zero-probability first token.
     u = torch.stack([1.0 - torch.rand((), generator=g, dtype=torch.float64) for g in generators])
