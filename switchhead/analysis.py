@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
 from switchhead.fileio import atomic_directory, check_output_dir
-from switchhead.runtime.backends import check_ids, check_tokenizer
+from switchhead.model.lm import check_ids
+from switchhead.runtime.backends import check_tokenizer
 from switchhead.runtime.sampling import check_utf8
 
 DEFAULT_WINDOW = 64

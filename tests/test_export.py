@@ -200,7 +200,8 @@ def test_bad_ids_are_refused_as_by_the_torch_backend(exported, model):
     backend, V = load_backend(exported), model.config.vocab_size
     for ids, message in ((torch.tensor([[-1, 3]]), "token id -1 is outside the vocabulary"),
                          (torch.tensor([[3, V]]), f"token id {V} is outside the vocabulary"),
-                         (torch.zeros(1, 0, dtype=torch.long), "input_ids must be [batch, tokens] with tokens >= 1")):
+                         (torch.zeros(1, 0, dtype=torch.long), "input_ids must be [batch, tokens] with batch, tokens"),
+                         (torch.zeros(0, 3, dtype=torch.long), "input_ids must be [batch, tokens] with batch, tokens")):
         for b in (backend, TorchBackend(model)):
             with pytest.raises(switchhead.SwitchheadError, match=re.escape(message)):
                 b.logits(ids)

@@ -1,6 +1,7 @@
 """The model against naive float64 loops over heads, experts and positions (tests/naive.py)."""
 
 import itertools
+import re
 
 import naive
 import pytest
@@ -186,12 +187,29 @@ def test_block_is_pre_ln_with_memory_through_ln1():
     torch.testing.assert_close(block(x, mem), h + block.ff(block.ln2(h)))
 
 
-def test_forward_rejects_bad_memory_and_empty_input():
+def test_forward_rejects_bad_memory_and_input():
+    from switchhead.errors import SwitchheadError
+
     model = TransformerLM(PRESETS["tiny-switchhead"])
-    with pytest.raises(ValueError, match="memory"):
-        model(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, 4, 64))
-    with pytest.raises(ValueError, match="tokens"):
-        model(torch.zeros(1, 0, dtype=torch.long))
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    _, memory = model(ids)  # [2 layers, 2, 3, 64]
+    cases = [
+        ((ids, torch.zeros(2, 3, 4, 64)), "memory has shape (2, 3, 4, 64); expected [2, 2, M, 64]"),
+        ((ids, memory[..., :32]), "memory has shape (2, 2, 3, 32)"),
+        ((ids, memory[0]), "memory has shape (2, 3, 64)"),
+        ((ids, memory.double()), "memory is torch.float64 on cpu; the model is torch.float32 on cpu"),
+        ((ids, memory.to("meta")), "memory is torch.float32 on meta"),
+        ((torch.zeros(1, 0, dtype=torch.long),), "with batch, tokens >= 1, got (1, 0)"),
+        ((torch.zeros(0, 3, dtype=torch.long),), "with batch, tokens >= 1, got (0, 3)"),
+        ((torch.zeros(3, dtype=torch.long),), "got (3,)"),
+        ((ids.float(),), "token ids must be an integer tensor, got torch.float32"),
+        ((ids + 512,), "token id 512 is outside the vocabulary [0, 512)"),
+        ((ids - 1,), "token id -1 is outside"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SwitchheadError, match=re.escape(message)):
+            model(*args)
+    model(ids.int(), memory)  # int32 ids and the returned memory are fine
 
 
 def test_config_is_a_model_config():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -10,6 +12,23 @@ from torch import Tensor, nn
 from switchhead.errors import ConfigError, SwitchheadError
 from switchhead.model.config import ModelConfig
 from switchhead.model.layers import Block, SigmaMoE
+
+
+def check_ids(ids: Tensor | Sequence[Sequence[int]], vocab_size: int) -> None:
+    """A `SwitchheadError` unless every token id indexes the vocabulary: out of range, PyTorch's embedding
+    raises a bare IndexError and ONNX Runtime's Gather silently wraps negative ids around."""
+    if isinstance(ids, Tensor):
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise SwitchheadError(f"token ids must be an integer tensor, got {ids.dtype}")
+        bad = None
+        if ids.numel():
+            lo, hi = ids.min().item(), ids.max().item()
+            bad = lo if lo < 0 else hi if hi >= vocab_size else None
+    else:
+        bad = next((t for row in ids for t in row
+                    if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SwitchheadError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
 
 
 class KVCache(Protocol):
@@ -42,8 +61,13 @@ class TransformerLM(nn.Module):
         independent and None is returned.
         """
         cfg = self.config
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise SwitchheadError(f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise SwitchheadError(f"input_ids must be [batch, tokens] with batch, tokens >= 1, got "
+                                  f"{tuple(input_ids.shape)}")
+        if input_ids.device.type == "cpu":  # on CUDA the range check would cost a host sync per training step
+            check_ids(input_ids, cfg.vocab_size)
+        elif input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise SwitchheadError(f"token ids must be an integer tensor, got {input_ids.dtype}")
         if input_ids.shape[1] > cfg.chunk_len:
             logits = []
             for chunk in input_ids.split(cfg.chunk_len, dim=1):
@@ -52,9 +76,15 @@ class TransformerLM(nn.Module):
             return torch.cat(logits, 1), memory
         if memory is not None and cfg.mem_chunks == 0:
             memory = None
-        if memory is not None and (memory.shape[0] != cfg.n_layers or memory.shape[1] != input_ids.shape[0]):
-            raise SwitchheadError(f"memory has shape {tuple(memory.shape)}; expected "
-                                  f"[{cfg.n_layers}, {input_ids.shape[0]}, M, {cfg.d_model}]")
+        if memory is not None:
+            want = self.embed.weight
+            if not isinstance(memory, Tensor) or memory.dim() != 4 or memory.shape[0] != cfg.n_layers or \
+                    memory.shape[1] != input_ids.shape[0] or memory.shape[3] != cfg.d_model:
+                raise SwitchheadError(f"memory has shape {tuple(getattr(memory, 'shape', ()))}; expected "
+                                      f"[{cfg.n_layers}, {input_ids.shape[0]}, M, {cfg.d_model}]")
+            if memory.dtype != want.dtype or memory.device != want.device:
+                raise SwitchheadError(f"memory is {memory.dtype} on {memory.device}; the model is {want.dtype} on "
+                                      f"{want.device} (pass back the memory a previous call returned)")
         x = self.drop(self.embed(input_ids))
         new_memory = []
         for i, block in enumerate(self.blocks):

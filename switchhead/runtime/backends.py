@@ -21,34 +21,15 @@ Scoring (evaluation, perplexity) calls ``Backend.logits(ids, state)`` on whole r
 
 from __future__ import annotations
 
-import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.config import ModelConfig
-from switchhead.model.lm import TransformerLM
+from switchhead.model.lm import TransformerLM, check_ids
 from switchhead.runtime.cache import XLCache
-
-
-def check_ids(ids: Tensor | Sequence[Sequence[int]], vocab_size: int) -> None:
-    """A `SwitchheadError` unless every token id indexes the vocabulary: out of range, PyTorch's embedding
-    raises a bare IndexError and ONNX Runtime's Gather silently wraps negative ids around."""
-    if isinstance(ids, Tensor):
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise SwitchheadError(f"token ids must be an integer tensor, got {ids.dtype}")
-        bad = None
-        if ids.numel():
-            lo, hi = ids.min().item(), ids.max().item()
-            bad = lo if lo < 0 else hi if hi >= vocab_size else None
-    else:
-        bad = next((t for row in ids for t in row
-                    if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise SwitchheadError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_tokenizer(tokenizer, config: ModelConfig) -> None:
@@ -75,8 +56,8 @@ class Backend(ABC):
         previous call returned, None for fresh streams -- and the state after them."""
         from switchhead.runtime.engine import feed  # the engine builds on backends, not the other way
 
-        if ids.dim() != 2 or ids.shape[1] < 1:  # the message TransformerLM.forward gives for the same input
-            raise SwitchheadError(f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(ids.shape)}")
+        if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:  # TransformerLM.forward's message for it
+            raise SwitchheadError(f"input_ids must be [batch, tokens] with batch, tokens >= 1, got {tuple(ids.shape)}")
         cache = state if state is not None else self.new_cache(ids.shape[0])
         return torch.stack(feed(self, cache, ids.tolist(), keep="all")), cache
 

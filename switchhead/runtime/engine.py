@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from switchhead.errors import SwitchheadError
-from switchhead.runtime.backends import Backend, check_ids, check_tokenizer
+from switchhead.model.lm import check_ids
+from switchhead.runtime.backends import Backend, check_tokenizer
 from switchhead.runtime.cache import XLCache
 from switchhead.runtime.sampling import SamplingParams, check_seed, check_utf8, choose, seed_or_random
 
