@@ -116,8 +116,8 @@ def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
 
 
 def _check_devices(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> None:
-    devices = [t.device for t in (x, weight, index, gate) if t is not None]
-    torch._check(all(d == devices[0] for d in devices), lambda: (
+    d = x.device
+    torch._check(weight.device == d and index.device == d and (gate is None or gate.device == d), lambda: (
         "expert_projection: x, weight, index and gate must be on one device; got "
         + ", ".join(f"{n} {t.device}" for n, t in zip(("x", "weight", "index", "gate"), (x, weight, index, gate))
                     if t is not None)))
