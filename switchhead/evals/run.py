@@ -13,7 +13,7 @@ from unittest import mock
 
 from tqdm import tqdm
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, is_int
 from switchhead.evals import data
 from switchhead.fileio import check_creatable, write_atomic
 
@@ -55,7 +55,7 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
     `output` as JSON when given). Inputs are validated before anything slow happens. `threads` sets torch's
     intra-op CPU threads for the process (None: leave as is)."""
     names = parse_tasks(tasks)
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+    if limit is not None and (not is_int(limit) or limit < 1):
         raise SwitchheadError(f"--limit must be a positive number of examples per task, got {limit}")
     if data_dir is not None:
         data.check_data_dir(data_dir, names)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, brief
 from switchhead.export import exporter, schema
 from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE, layout
 from switchhead.model.checkpoint import read_config, read_tokenizer
@@ -66,10 +66,10 @@ class OnnxBackend(Backend):
         self.config = read_config(path / CONFIG_FILE)
         dtype, quantize = self.layout.get("dtype"), self.layout.get("quantize")
         if not isinstance(dtype, str) or dtype not in exporter.DTYPES:
-            raise SwitchheadError(f"{path}: {LAYOUT_FILE} has dtype {_show(dtype)}; an export's dtype is one of "
+            raise SwitchheadError(f"{path}: {LAYOUT_FILE} has dtype {brief(dtype)}; an export's dtype is one of "
                                   f"{', '.join(exporter.DTYPES)}")
         if quantize is not None and (not isinstance(quantize, str) or quantize not in exporter.QUANTIZE):
-            raise SwitchheadError(f"{path}: {LAYOUT_FILE} has quantize {_show(quantize)}; an export's quantize is "
+            raise SwitchheadError(f"{path}: {LAYOUT_FILE} has quantize {brief(quantize)}; an export's quantize is "
                                   f"null or one of {', '.join(exporter.QUANTIZE)}")
         if quantize is not None and dtype != "fp32":
             raise SwitchheadError(f"{path}: {LAYOUT_FILE} has quantize {quantize!r} with dtype {dtype!r}; only fp32 "
@@ -163,12 +163,7 @@ def _diff(have, want, field: str = "") -> tuple[str, str, str] | None:
         return None
     if type(have) is type(want) and have == want and not isinstance(want, (dict, list)):
         return None
-    return field, "missing" if have is _MISSING else _show(have), _show(want)
-
-
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return field, "missing" if have is _MISSING else brief(have), brief(want)
 
 
 def _interface_mismatch(session, want: dict) -> str | None:

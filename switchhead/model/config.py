@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from switchhead.errors import ConfigError
+from switchhead.errors import ConfigError, is_finite_number, is_int
 
 ATTENTION_KINDS = ("switchhead", "dense", "moa")
 POSITIONAL_KINDS = ("xl", "rope")
@@ -17,10 +16,6 @@ PROJECTIONS = ("v", "k", "q", "o")
 
 
 MAX_LAYERS, MAX_SIZE = 4096, 2**24
-
-
-def _is_number(v, types) -> bool:
-    return isinstance(v, types) and not isinstance(v, bool)  # JSON's true/false are ints to Python
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,7 @@ class ModelConfig:
                     "chunk_len", "ff_n_experts", "ff_expert_size", "ff_k"]
         for name in positive:
             v = getattr(self, name)
-            if not _is_number(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
             # Far beyond any trainable model, but small enough that building one layer by layer (even on the
             # meta device, as `info` does) cannot run for hours first.
@@ -71,12 +66,12 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{name} must be at most {limit}, got {v}")
         for name in ("dropout", "ff_expert_dropout"):
             v = getattr(self, name)
-            if not _is_number(v, (int, float)) or not 0.0 <= v < 1.0:
+            if not is_finite_number(v) or not 0.0 <= v < 1.0:
                 raise ConfigError(f"ModelConfig.{name} must be in [0, 1), got {v!r}")
         for name in ("ff_entropy_coef", "grad_clip"):
             v = getattr(self, name)
             # NaN passes `v < 0` and inf is no usable value; either would also be written out as invalid JSON.
-            if not _is_number(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not is_finite_number(v) or v < 0:
                 raise ConfigError(f"ModelConfig.{name} must be a finite non-negative number, got {v!r}")
         if not isinstance(self.shared_selection, bool):
             raise ConfigError(f"ModelConfig.shared_selection must be true or false, got {self.shared_selection!r}")
@@ -91,7 +86,7 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.moe_projections: unknown projection(s) {bad}; choose from {PROJECTIONS}")
         # Canonical order so that equal sets compare (and serialise) equal.
         object.__setattr__(self, "moe_projections", tuple(p for p in PROJECTIONS if p in self.moe_projections))
-        if not _is_number(self.mem_chunks, int) or self.mem_chunks not in (0, 1):
+        if not is_int(self.mem_chunks) or self.mem_chunks not in (0, 1):
             raise ConfigError(f"ModelConfig.mem_chunks must be 0 or 1, got {self.mem_chunks!r}")
         if self.attention == "switchhead" and self.k > self.n_experts:
             raise ConfigError(f"ModelConfig.k ({self.k}) must not exceed n_experts ({self.n_experts})")

@@ -12,20 +12,19 @@ modulo 2**64, so every seed the user may give works with any number of prompts o
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, is_finite_number, is_int
 
 SEED_LIMIT = 1 << 64  # seeds are in [0, SEED_LIMIT): torch.Generator.manual_seed overflows beyond
 
 
 def check_seed(seed) -> None:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+    if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise SwitchheadError(f"seed must be an integer in [0, 2**64 - 1], got {seed!r}")
 
 
@@ -72,12 +71,13 @@ class SamplingParams:
         except TypeError:
             raise SwitchheadError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
         checks = [
-            ("max_new_tokens", isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, ">= 1"),
-            ("temperature", _finite(self.temperature) and self.temperature >= 0, ">= 0 (0 = greedy)"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, ">= 0 (0 = off)"),
-            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
-            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+            ("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", is_finite_number(self.temperature) and self.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("top_k", is_int(self.top_k) and self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", is_finite_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", is_finite_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", is_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             "> 0"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -90,10 +90,6 @@ class SamplingParams:
             check_utf8(s, f"stop string {i}")
         if self.seed is not None:
             check_seed(self.seed)
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:

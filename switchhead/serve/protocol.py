@@ -7,12 +7,11 @@ to users as is.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, replace
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, brief, is_finite_number, is_int
 from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
 
 # The engine reports "eos" when the model ends the text; OpenAI calls every natural end "stop".
@@ -72,20 +71,7 @@ def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
     return replace(p, seed=seed)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    if not isinstance(x, (int, float)) or isinstance(x, bool):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an integer beyond float range (JSON allows ~4300 digits)
-        return False
-
-
-_KINDS = {"int": (_is_int, "an integer"), "num": (_is_num, "a finite number"),
+_KINDS = {"int": (is_int, "an integer"), "num": (is_finite_number, "a finite number"),
           "bool": (lambda v: isinstance(v, bool), "a boolean"), "str": (lambda v: isinstance(v, str), "a string"),
           "object": (lambda v: isinstance(v, dict), "an object")}
 
@@ -95,8 +81,7 @@ def _show(value) -> str:
     # the start of scalars, and name containers.
     if isinstance(value, (list, dict)):
         return "an array" if isinstance(value, list) else "an object"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return brief(value)
 
 
 def _get(body: dict, name: str, kind: str, default, param: str | None = None):
@@ -180,7 +165,7 @@ def parse_completion(body, model_name: str, limits: Limits, encode) -> Completio
     if len(stops) > MAX_STOPS:
         raise bad(f"at most {MAX_STOPS} stop strings", "stop")
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+    if logprobs is not None and (not is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
         raise bad(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {_show(logprobs)}", "logprobs")
     stream = _get(body, "stream", "bool", False)
     options = body.get("stream_options")

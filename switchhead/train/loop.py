@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from switchhead.errors import CheckpointError, SwitchheadError
+from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number, is_int
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
 from switchhead.model.config import ModelConfig, resolve_config
@@ -288,29 +288,25 @@ def train(opts: TrainOptions) -> TrainResult:
 def _validate(opts: TrainOptions) -> None:
     for name in ("steps", "batch_size", "eval_every", "save_every", "log_every"):
         v = getattr(opts, name)
-        if not isinstance(v, int) or v < 1:
+        if not is_int(v) or v < 1:
             raise SwitchheadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-    if opts.eval_batch_size is not None and (not isinstance(opts.eval_batch_size, int) or opts.eval_batch_size < 1):
+    if opts.eval_batch_size is not None and (not is_int(opts.eval_batch_size) or opts.eval_batch_size < 1):
         raise SwitchheadError(f"--eval-batch-size must be a positive integer, got {opts.eval_batch_size!r}")
-    if not isinstance(opts.vocab_size, int) or isinstance(opts.vocab_size, bool) or opts.vocab_size < 1:
+    if not is_int(opts.vocab_size) or opts.vocab_size < 1:
         raise SwitchheadError(f"--vocab-size must be a positive integer, got {opts.vocab_size!r}")
-    if not _finite(opts.lr) or not opts.lr > 0:
+    if not is_finite_number(opts.lr) or not opts.lr > 0:
         raise SwitchheadError(f"--lr must be a positive finite number, got {opts.lr}")
     if opts.lr > _MAX_LR:  # AdamW's first step is 10 * lr: past this it cannot even be applied to float32 weights
         raise SwitchheadError(f"--lr must be at most {_MAX_LR:.1e} (AdamW's step overflows float32), got {opts.lr}")
-    if not isinstance(opts.warmup, int) or isinstance(opts.warmup, bool) or opts.warmup < 0:
+    if not is_int(opts.warmup) or opts.warmup < 0:
         raise SwitchheadError(f"--warmup must be an integer >= 0, got {opts.warmup!r}")
-    if opts.grad_clip is not None and (not _finite(opts.grad_clip) or opts.grad_clip < 0):
+    if opts.grad_clip is not None and (not is_finite_number(opts.grad_clip) or opts.grad_clip < 0):
         raise SwitchheadError(
             f"--grad-clip must be a finite number >= 0 (0 disables clipping), got {opts.grad_clip}"
         )
 
 
 _MAX_LR = float(torch.finfo(torch.float32).max) / 20
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _train(opts: TrainOptions, device: torch.device) -> TrainResult:

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from switchhead.errors import CheckpointError
+from switchhead.errors import CheckpointError, is_int
 from switchhead.fileio import atomic_directory
 from switchhead.model.checkpoint import save
 
@@ -123,7 +123,7 @@ def _state_problem(state) -> str | None:
     if not isinstance(state, dict):
         return f"expected a JSON object, got {type(state).__name__}"
     step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not is_int(step) or step < 0:
         return f"'step' must be a non-negative integer, got {step!r}"
     opt = state.get("optimizer")
     if not isinstance(opt, dict):
