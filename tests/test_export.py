@@ -391,7 +391,7 @@ DAMAGE = {
     "layout opset 17": (lambda d: _edit_json(d / "layout.json", opset=17),
                         "layout.json opset is 17, but a switchhead-onnx/1 export has 18"),
     "another tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(
-        word_tokenizer(WORDS, vocab_size=280).serialized_model_proto()), "pieces but the model expects vocab_size"),
+        word_tokenizer(WORDS, vocab_size=280).serialized_model_proto()), "pieces but the model's vocab_size is"),
     "corrupt tokenizer": (lambda d: (d / "tokenizer.model").write_bytes(b"\x00garbage"), "tokenizer.model is corrupt"),
 }
 

@@ -17,6 +17,7 @@ from switchhead.errors import CheckpointError, ConfigError
 from switchhead.fileio import atomic_directory, check_output_dir, holds_only
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
+from switchhead.model.tokenizer import vocab_mismatch
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.model"
 # The built-in default model ships as package data (half-precision weights; see docs/RESULTS.md).
@@ -47,9 +48,8 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     """
     if not isinstance(model, TransformerLM):
         raise CheckpointError(f"save needs a TransformerLM, got {type(model).__name__}")
-    if tokenizer is not None and tokenizer.get_piece_size() != model.config.vocab_size:  # load would refuse it
-        raise CheckpointError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model's vocab_size is "
-                              f"{model.config.vocab_size}; they do not belong together")
+    if tokenizer is not None and (problem := vocab_mismatch(tokenizer, model.config.vocab_size)):
+        raise CheckpointError(f"the tokenizer {problem}")  # load would refuse the checkpoint
     path = check_output_dir(path, _replaceable, "a switchhead checkpoint")
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     with atomic_directory(path) as tmp:
@@ -100,9 +100,8 @@ def read_tokenizer(file: Path, config: ModelConfig):
         tokenizer.LoadFromSerializedProto(file.read_bytes())
     except Exception as e:  # sentencepiece raises a bare RuntimeError/OSError on bad protos
         raise CheckpointError(f"{file} is corrupt: {e}") from None
-    if tokenizer.get_piece_size() != config.vocab_size:
-        raise CheckpointError(f"{file} has {tokenizer.get_piece_size()} pieces but the model expects vocab_size "
-                              f"{config.vocab_size}")
+    if problem := vocab_mismatch(tokenizer, config.vocab_size):
+        raise CheckpointError(f"{file} {problem}")
     return tokenizer
 
 

@@ -56,6 +56,13 @@ def not_utf8(path: str | Path, data: bytes, start: int, offset: int, newlines_be
                            f"line {line}); text files must be UTF-8")
 
 
+def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | None:
+    """Why `sp` cannot go with a model of `vocab_size` outputs (its ids would index the wrong embedding rows), as
+    the end of a sentence naming the tokenizer; None if it can."""
+    n = sp.get_piece_size()
+    return None if n == vocab_size else f"has {n} pieces but the model's vocab_size is {vocab_size}"
+
+
 def read_text(path: str | Path, *, unwrap: bool = False) -> str:
     """The text of a UTF-8 file; anything else is refused: replacing bad bytes would silently train on U+FFFD
     (and a binary file would look like a few tokens of text)."""

@@ -32,13 +32,6 @@ from switchhead.model.lm import TransformerLM, check_ids
 from switchhead.runtime.cache import XLCache
 
 
-def check_tokenizer(tokenizer, config: ModelConfig) -> None:
-    """The tokenizer must have the model's vocabulary size (else its ids index the wrong embedding rows)."""
-    if tokenizer is not None and tokenizer.get_piece_size() != config.vocab_size:
-        raise SwitchheadError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model's vocab_size "
-                              f"is {config.vocab_size}; they do not belong together")
-
-
 class Backend(ABC):
     config: ModelConfig
     device: torch.device
