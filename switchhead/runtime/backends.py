@@ -28,7 +28,7 @@ from torch import Tensor
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.config import ModelConfig
-from switchhead.model.lm import TransformerLM, check_ids
+from switchhead.model.lm import TransformerLM
 from switchhead.runtime.cache import XLCache
 
 
@@ -74,5 +74,4 @@ class TorchBackend(Backend):
     def logits(self, ids: Tensor, state: object | None = None) -> tuple[Tensor, object]:
         # The chunked training forward computes a whole chunk per layer call; equal to feeding the cache
         # (tested) and faster for long rows. Its state is the XL memory, not an XLCache.
-        check_ids(ids, self.config.vocab_size)
-        return self.model(ids.to(self.device), state)
+        return self.model(ids.to(self.device), state)  # which checks the ids

@@ -162,8 +162,8 @@ def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
 def choose(logits: Tensor, params: SamplingParams, seen: Tensor | None,
            generators: list[torch.Generator] | None) -> Tensor:
     """Next token per row [B] from the last-position logits [B, V]."""
-    if params.temperature == 0:
-        return _penalised(logits, params, seen).argmax(-1)
+    if params.temperature == 0:  # without a penalty nothing can overflow: no float64 copy per decode step
+        return (logits if seen is None else _penalised(logits, params, seen)).argmax(-1)
     probs = processed_logits(logits, params, seen).softmax(-1)
     # 1 - U[0, 1) lies in (0, 1]: a draw of exactly 0 could otherwise pick a zero-probability first token.
     u = torch.stack([1.0 - torch.rand((), generator=g, dtype=torch.float64) for g in generators])
