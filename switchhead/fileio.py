@@ -23,24 +23,18 @@ def _nearest_existing(path: str | Path) -> Path:
 
 def check_creatable(path: str | Path, what: str) -> None:
     """A one-line error where creating `path` (and its missing parents) would fail: under a file, or in a
-    directory this process cannot write."""
+    directory this process cannot write. That is tried with a probe file, created and deleted: os.access says
+    yes to root everywhere, also on read-only file systems and in /sys or /proc, where the real write would
+    fail only after the slow work."""
     parent = _nearest_existing(path)
     if not parent.is_dir():
         raise SwitchheadError(f"{what} {path}: cannot be created, {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise SwitchheadError(f"{what} {path}: cannot write in {parent} (permission denied)")
-    _probe(parent, f"{what} {path}")
-
-
-def _probe(directory: Path, what: str) -> None:
-    """Create and delete a file in `directory`: os.access says yes to root everywhere, also on read-only file
-    systems and in /sys or /proc, where the real write would fail only after the slow work."""
     try:
-        fd, name = tempfile.mkstemp(prefix=".switchhead-probe-", dir=directory)
+        fd, name = tempfile.mkstemp(prefix=".switchhead-probe-", dir=parent)
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        raise SwitchheadError(f"{what}: cannot write in {directory}: {e.strerror or e}") from None
+        raise SwitchheadError(f"{what} {path}: cannot write in {parent}: {e.strerror or e}") from None
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
@@ -77,10 +71,7 @@ def check_replaceable(path: str | Path) -> None:
     cwd = Path.cwd()
     if path == cwd or path in cwd.parents:
         raise SwitchheadError(f"cannot replace {path}: it is the current directory or contains it; choose another")
-    parent = _nearest_existing(path)
-    if not parent.is_dir():
-        raise SwitchheadError(f"cannot write {path}: {parent} is not a directory")
-    _probe(parent, f"cannot write {path}")
+    check_creatable(path, "output directory")
 
 
 def check_output_dir(path: str | Path, ours: Callable[[Path], bool], what: str) -> Path:

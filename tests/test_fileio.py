@@ -50,10 +50,17 @@ def test_paths_that_cannot_be_created(tmp_path, monkeypatch):
             fileio.check_replaceable(path)
     fileio.check_creatable(tmp_path / "new" / "x", "--output")
     (tmp_path / "locked").mkdir(mode=0o500)
-    # root may write anywhere, so ask the question the check asks (os.access) as an unprivileged user would
     with monkeypatch.context() as m:
-        m.setattr(fileio.os, "access", lambda p, mode: Path(p) != tmp_path / "locked")
-        with pytest.raises(SwitchheadError, match=r"cannot write in .*locked \(permission denied\)"):
+        if os.geteuid() == 0:  # root may write anywhere: refuse the probe there as the kernel refuses others
+            real = fileio.tempfile.mkstemp
+
+            def mkstemp(*args, dir=None, **kwargs):
+                if Path(dir) == tmp_path / "locked":
+                    raise PermissionError(13, "Permission denied")
+                return real(*args, dir=dir, **kwargs)
+
+            m.setattr(fileio.tempfile, "mkstemp", mkstemp)
+        with pytest.raises(SwitchheadError, match=r"--output .*x: cannot write in .*locked: Permission denied"):
             fileio.check_creatable(tmp_path / "locked" / "new" / "x", "--output")
     fileio.check_creatable(tmp_path / "new" / "x", "--output")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "locked"]  # the probes leave nothing behind
