@@ -499,7 +499,10 @@ def test_data_file_that_is_not_utf8_is_a_clear_error(tmp_path, task):
             "blimp": lambda: data.load_blimp(data.BLIMP_PARADIGMS[0], data_dir=str(tmp_path)),
             "cbt": lambda: data.load_cbt(data.CBT_SETS[0], data_dir=str(tmp_path))}[task]
     line = good.count("\n") + 1
-    with pytest.raises(SwitchheadError, match=rf"cannot read .*{rel.split('/')[1]}: not valid UTF-8 \(line {line}:"):
+    offset = len(good.encode()) + 3  # the \xe9 of "caf\xe9"
+    with pytest.raises(SwitchheadError,
+                       match=rf"cannot read .*{rel.split('/')[1]}: not valid UTF-8 \(byte 0xe9 at offset {offset}, "
+                             rf"line {line}\)"):
         load()
 
 
@@ -516,7 +519,7 @@ def no_model(monkeypatch):
     (data.LAMBADA_FILE, b'{"text": "a b"}\n{"text": "Hello"}\n', "lambada_test.jsonl:2: a LAMBADA passage needs"),
     (data.blimp_file("wh_island"), b'{"sentence_good": "", "sentence_bad": "x"}\n',
      "wh_island.jsonl:1: a BLiMP pair needs two non-empty sentences"),
-    (data.cbt_file("P"), b"1 caf\xe9\n", "cbtest_P_test_2500ex.txt: not valid UTF-8 (line 1:"),
+    (data.cbt_file("P"), b"1 caf\xe9\n", "cbtest_P_test_2500ex.txt: not valid UTF-8 (byte 0xe9 at offset 5, line 1)"),
     (data.LAMBADA_FILE, b'{"text": "a b"}\n{"text": "hello \\ud800 world"}\n',
      "lambada_test.jsonl:2: field text is not valid UTF-8 (lone surrogate U+D800"),
     (data.cbt_file("NE"), cbt_example(candidates="birds|man|maiden|man|middle|place|sight|south|wash|wings").encode(),

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from switchhead.errors import SwitchheadError
+from switchhead.fileio import read_utf8
 from switchhead.runtime.sampling import check_utf8
 
 BLIMP_PARADIGMS = (
@@ -133,21 +134,12 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a UTF-8 text file (newline characters dropped; a leading byte-order mark ignored).
 
-    A missing, unreadable or non-UTF-8 file is a `SwitchheadError` naming the file (and, for bad bytes, the
-    line), not a traceback from the decoder."""
+    A missing, unreadable or non-UTF-8 file is a `SwitchheadError` naming the file (and, for bad bytes, where
+    they are), not a traceback from the decoder."""
     path = Path(path)
     if not path.is_file():
         raise SwitchheadError(f"data file not found: {path}")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise SwitchheadError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise SwitchheadError(f"cannot read {path}: not valid UTF-8 (line {line}: byte 0x{raw[e.start]:02x}); "
-                              f"eval data files must be UTF-8") from None
+    text = read_utf8(path).removeprefix("\ufeff")
     # the newlines open() would recognise (not str.splitlines's, which also splits at U+2028 and others)
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     return lines[:-1] if lines and not lines[-1] else lines

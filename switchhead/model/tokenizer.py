@@ -23,7 +23,7 @@ import numpy as np
 import sentencepiece as spm
 
 from switchhead.errors import SwitchheadError
-from switchhead.fileio import write_atomic
+from switchhead.fileio import read_utf8, write_atomic
 
 NEWLINE = "\n"
 UNK_ID, EOS_ID = 0, 1
@@ -49,13 +49,6 @@ def unwrap_paragraphs(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if p)
 
 
-def not_utf8(path: str | Path, data: bytes, start: int, offset: int, newlines_before: int = 0) -> SwitchheadError:
-    """The error for a file that is not UTF-8: `data[start]` is its first bad byte, at file offset `offset`."""
-    line = newlines_before + data.count(b"\n", 0, start) + 1
-    return SwitchheadError(f"cannot read {path}: not valid UTF-8 (byte 0x{data[start]:02x} at offset {offset}, "
-                           f"line {line}); text files must be UTF-8")
-
-
 def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | None:
     """Why `sp` cannot go with a model of `vocab_size` outputs (its ids would index the wrong embedding rows), as
     the end of a sentence naming the tokenizer; None if it can."""
@@ -66,14 +59,7 @@ def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | Non
 def read_text(path: str | Path, *, unwrap: bool = False) -> str:
     """The text of a UTF-8 file; anything else is refused: replacing bad bytes would silently train on U+FFFD
     (and a binary file would look like a few tokens of text)."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise SwitchheadError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise not_utf8(path, raw, e.start, e.start) from None
+    text = read_utf8(path)
     return unwrap_paragraphs(text) if unwrap else text
 
 

@@ -19,8 +19,8 @@ import numpy as np
 import sentencepiece as spm
 
 from switchhead.errors import SwitchheadError
-from switchhead.fileio import check_creatable
-from switchhead.model.tokenizer import encode_file, not_utf8, token_dtype, tokenizer_fingerprint
+from switchhead.fileio import check_creatable, not_utf8
+from switchhead.model.tokenizer import encode_file, token_dtype, tokenizer_fingerprint
 
 # Bump when the way files become tokens changes, so stale caches are not reused.
 _CACHE_VERSION = "1"
