@@ -128,9 +128,8 @@ def _shape_error(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, 
     return (
         f"expert_projection: expected floating-point x [N, I, D_in], weight [E, D_in, D_out] of x's dtype, index "
         f"[N, S] int64 or int32 and gate [N, S] or None, with I, S, D_out >= 1 and I and R=n_out dividing S; "
-        f"got x {tuple(x.shape)} {x.dtype}, "
-        f"weight {tuple(weight.shape)} {weight.dtype}, index {tuple(index.shape)} {index.dtype}, gate {gate_shape}, "
-        f"n_out {n_out}"
+        f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, index {tuple(index.shape)} "
+        f"{index.dtype}, gate {gate_shape}, n_out {n_out}"
     )
 
 

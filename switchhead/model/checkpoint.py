@@ -125,7 +125,6 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
         raise CheckpointError(f"{path / WEIGHTS} is corrupt: {e}") from None
     with torch.device("meta"):
         model = TransformerLM(config)
-    expected_dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     expected = {k: v.shape for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -137,10 +136,9 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
         if tensors[k].shape != shape:
             raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has shape {tuple(tensors[k].shape)}, "
                                   f"config expects {tuple(shape)}")
-        if tensors[k].dtype.is_floating_point != expected_dtypes[k].is_floating_point:
-            kind = "a floating-point" if expected_dtypes[k].is_floating_point else "an integer"
+        if not tensors[k].dtype.is_floating_point:  # every weight of the model is
             raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has dtype {str(tensors[k].dtype)[6:]}, the model "
-                                  f"expects {kind} dtype")
+                                  "expects a floating-point dtype")
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     model.load_state_dict(tensors, assign=True)

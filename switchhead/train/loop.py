@@ -138,6 +138,24 @@ def _setup_distributed(device_opt: str | None) -> tuple[torch.device, bool]:
     return resolve_device(device_opt), False
 
 
+def check_fits(config: ModelConfig, device: torch.device) -> None:
+    """Refuse, before the tokenizer and the data are prepared, a model whose fp32 weights, gradients and two
+    AdamW moments alone (16 bytes per parameter) exceed the device's whole memory: building it would end in
+    an allocation traceback, or the out-of-memory killer, only after that work."""
+    params = count_params(config)["total"]
+    need = 16 * params
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        have, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine has"
+    else:  # no portable way to ask: leave it to the allocator
+        return
+    if need > have:
+        raise SwitchheadError(f"the model ({params:,} parameters) needs at least "
+                              f"{need / 2**30:,.1f} GiB for its weights, gradients and AdamW state; {where} "
+                              f"{have / 2**30:,.1f} GiB")
+
+
 def _amp_dtype(device: torch.device, dtype_opt: str | None) -> torch.dtype:
     if dtype_opt is None:
         if device.type == "cuda":
@@ -193,23 +211,6 @@ def _autocast(device: torch.device, amp_dtype: torch.dtype):
 
 
 # --- RNG ---
-
-
-def check_fits(config: ModelConfig, device: torch.device) -> None:
-    """Refuse, before the tokenizer and the data are prepared, a model whose fp32 weights, gradients and two
-    AdamW moments alone (16 bytes per parameter) exceed the device's whole memory: building it would end in
-    an allocation traceback, or the out-of-memory killer, only after that work."""
-    need = 16 * count_params(config)["total"]
-    if device.type == "cuda":
-        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
-    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        have, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine has"
-    else:  # no portable way to ask: leave it to the allocator
-        return
-    if need > have:
-        raise SwitchheadError(f"the model ({count_params(config)['total']:,} parameters) needs at least "
-                              f"{need / 2**30:,.1f} GiB for its weights, gradients and AdamW state; {where} "
-                              f"{have / 2**30:,.1f} GiB")
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:

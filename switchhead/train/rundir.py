@@ -198,7 +198,6 @@ def truncate_metrics(path: Path, step: int) -> None:
     write_atomic(path, "".join(k + "\n" for k in keep))
 
 
-
 def read_resume_state(
     ckpt_dir: Path, model: TransformerLM, opt: torch.optim.Optimizer, config: ModelConfig, batch_size: int
 ) -> tuple[dict, dict[str, torch.Tensor]]:
