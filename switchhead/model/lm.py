@@ -32,6 +32,13 @@ def check_ids(ids: Tensor | Sequence[Sequence[int]], vocab_size: int, values: bo
         raise SwitchheadError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_batch(input_ids: Tensor) -> None:
+    """Rows of token ids: [batch, tokens], both at least 1."""
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise SwitchheadError(f"input_ids must be [batch, tokens] with batch, tokens >= 1, got "
+                              f"{tuple(input_ids.shape)}")
+
+
 class KVCache(Protocol):
     """What `TransformerLM.decode` needs from a cache (implemented by the runtime)."""
 
@@ -62,9 +69,7 @@ class TransformerLM(nn.Module):
         independent and None is returned.
         """
         cfg = self.config
-        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise SwitchheadError(f"input_ids must be [batch, tokens] with batch, tokens >= 1, got "
-                                  f"{tuple(input_ids.shape)}")
+        check_batch(input_ids)
         # The range check is a host sync on a GPU: not paid per training step there (inference pays it).
         check_ids(input_ids, cfg.vocab_size, values=input_ids.device.type == "cpu" or not self.training)
         if input_ids.shape[1] > cfg.chunk_len:

@@ -26,9 +26,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from switchhead.errors import SwitchheadError
 from switchhead.model.config import ModelConfig
-from switchhead.model.lm import TransformerLM
+from switchhead.model.lm import TransformerLM, check_batch
 from switchhead.runtime.cache import XLCache
 
 
@@ -49,8 +48,7 @@ class Backend(ABC):
         previous call returned, None for fresh streams -- and the state after them."""
         from switchhead.runtime.engine import feed  # the engine builds on backends, not the other way
 
-        if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:  # TransformerLM.forward's message for it
-            raise SwitchheadError(f"input_ids must be [batch, tokens] with batch, tokens >= 1, got {tuple(ids.shape)}")
+        check_batch(ids)
         cache = state if state is not None else self.new_cache(ids.shape[0])
         return torch.stack(feed(self, cache, ids.tolist(), keep="all")), cache
 
