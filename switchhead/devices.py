@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from switchhead.errors import SwitchheadError
@@ -20,3 +22,35 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise SwitchheadError(f"device {device!r} requested but MPS is not available")
     return dev
+
+
+def memory(device: torch.device, available: bool = False) -> tuple[int, str] | None:
+    """The memory a model on `device` draws from, in bytes, and a phrase saying so for messages: the whole of it,
+    or with `available` what can be had now without swapping (Linux MemAvailable; free memory on a GPU). None
+    where there is no way to ask. Up-front checks against it turn an allocation that would end in a traceback,
+    or in the out-of-memory killer once the pages are touched, into one line."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        have = free if available else total
+        return have, f"{device} has {have / 2**30:,.1f} GiB" + (" free" if available else "")
+    if available:
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+            return kib * 1024, f"this machine has {kib / 2**20:,.1f} GiB available"
+        except (OSError, ValueError, IndexError, StopIteration):  # not Linux: fall back to the whole memory
+            pass
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return have, f"this machine has {have / 2**30:,.1f} GiB"
+    return None
+
+
+def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse in one line what cannot fit: past torch's int64 sizes, or more than `device` has available now. A
+    large tensor allocated piece by piece is granted beyond that and only fails when its pages are touched."""
+    if nbytes >= 2**63:
+        raise SwitchheadError(f"{what} would need more than 2**63 bytes")
+    mem = memory(device, available=True)
+    if mem is not None and nbytes > mem[0]:
+        raise SwitchheadError(f"{what} needs {nbytes} bytes ({nbytes / 2**30:,.4g} GiB); {mem[1]}")

@@ -2,6 +2,7 @@
 by raw HTTP; served text is compared with `Generator.generate` run on a separately loaded copy of the model."""
 
 import json
+import os
 import queue
 import socket
 import threading
@@ -21,6 +22,7 @@ import switchhead
 from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.runtime import SamplingParams
+from switchhead.runtime.cache import XLCache
 from switchhead.runtime.commands import load_generator
 from switchhead.serve.app import ServeConfig, create_app
 from switchhead.serve.protocol import Limits
@@ -420,12 +422,31 @@ def test_cli_bad_options_are_one_line_exit_2(args, message):
 
 
 @pytest.mark.parametrize("max_batch,message", [
-    (10**11, "the KV cache for --max-batch 100000000000 needs 1638400000000000 bytes"),  # malloc fails at once
-    (10**30, "more than 2**63 bytes"),  # past torch's int64 sizes
+    (10**11, "--max-batch 100000000000: the KV cache for 100000000000 sequences needs 1638400000000000 bytes"),
+    (10**30, "more than 2**63 bytes; lower --max-batch"),  # past torch's int64 sizes
 ])
 def test_cli_max_batch_too_large_for_memory_is_one_line_exit_2(ckpt, max_batch, message):
     r = CliRunner().invoke(main, ["serve", "--ckpt", ckpt, "--port", "0", "--max-batch", str(max_batch)])
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's MemAvailable")
+def test_cli_max_batch_past_available_memory_is_refused_before_allocating(ckpt):
+    """The cache is allocated layer by layer, so the allocator grants one larger than the memory available now,
+    and zeroing it then ends in swapping or the OOM killer: it is refused before anything is allocated."""
+    cfg = switchhead.load(ckpt)[0].config
+    one = XLCache(cfg, 1)
+    row = sum(t.numel() * t.element_size() for t in one.keys + one.values)
+    max_batch = int(_mem_available() * 1.05) // row + 1  # 5 %: what other processes free meanwhile stays below
+    r = CliRunner().invoke(main, ["serve", "--ckpt", ckpt, "--port", "0", "--max-batch", str(max_batch)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert f"the KV cache for {max_batch} sequences needs {max_batch * row} bytes" in r.output
+    assert "GiB available; lower --max-batch" in r.output
 
 
 def test_cli_address_that_cannot_be_listened_on_is_one_line_exit_2(ckpt):

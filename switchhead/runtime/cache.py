@@ -18,11 +18,13 @@ of the step; the remaining slots are padding: never written, never visible, thei
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from switchhead.devices import check_allocation
 from switchhead.errors import SwitchheadError
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
@@ -57,8 +59,15 @@ class XLCache:
         self.cfg, self.batch, self.T = cfg, batch, cfg.chunk_len
         self.device = torch.device(device)
         shape = (batch, kv_heads(cfg), 2 * self.T, cfg.d_head)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+        what = f"the KV cache for {batch} sequence{'s' * (batch > 1)}"
+        nbytes = 2 * cfg.n_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        check_allocation(nbytes, self.device, what)
+        try:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
+        except (RuntimeError, MemoryError):  # torch.OutOfMemoryError (CUDA) is a RuntimeError
+            raise SwitchheadError(f"{what} needs {nbytes} bytes ({nbytes / 2**30:,.4g} GiB), which could not be "
+                                  f"allocated on {self.device}") from None
         self.fill = torch.zeros(batch, dtype=torch.long, device=self.device)  # tokens in the current chunk
         self.cur = torch.zeros(batch, dtype=torch.long, device=self.device)  # which half is current (0/1)
         self.has_mem = torch.zeros(batch, dtype=torch.bool, device=self.device)

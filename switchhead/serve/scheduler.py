@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from switchhead.errors import SwitchheadError
-from switchhead.model.accounting import kv_cache_bytes_per_token
 from switchhead.runtime.engine import Detokenizer, Generator, StopText, feed
 from switchhead.runtime.sampling import SamplingParams, choose
 
@@ -101,18 +100,10 @@ class _Row:
 
 def _allocate_cache(backend, max_batch: int):
     """The server's cache, allocated once at start; too large a --max-batch is one line, not torch's trace."""
-    cfg = backend.config
-    nbytes = max_batch * 2 * cfg.chunk_len * kv_cache_bytes_per_token(
-        cfg, torch.empty((), dtype=backend.dtype).element_size())
-    if nbytes >= 2**63:  # torch sizes are int64 (past that it raises TypeError); no machine has this much
-        raise SwitchheadError(f"the KV cache for --max-batch {max_batch} would need more than 2**63 bytes; "
-                              "lower --max-batch")
     try:
         return backend.new_cache(max_batch)
-    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError (CUDA) is a RuntimeError
-        raise SwitchheadError(f"the KV cache for --max-batch {max_batch} needs {nbytes} bytes "
-                              f"({nbytes / 2**30:.4g} GiB), which could not be allocated on {backend.device}; "
-                              "lower --max-batch") from None
+    except SwitchheadError as e:
+        raise SwitchheadError(f"--max-batch {max_batch}: {e}; lower --max-batch") from None
 
 
 class Scheduler:
@@ -193,6 +184,7 @@ class Scheduler:
                     for b, row in enumerate(self.rows):
                         if row is not None:
                             self._free(b, Failed("internal", f"generation step failed: {e!r}"))
+                    self.cache = None  # freed first: the memory check counts what is available
                     self.cache = self.backend.new_cache(self.max_batch)
         with self._cond:
             for b, row in enumerate(self.rows):

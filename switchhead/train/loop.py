@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from switchhead.devices import memory, resolve_device
 from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number, is_int
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
@@ -133,8 +134,6 @@ def _setup_distributed(device_opt: str | None) -> tuple[torch.device, bool]:
         return device, True
     if device_opt is None:
         device_opt = "cuda" if torch.cuda.is_available() else "cpu"
-    from switchhead.devices import resolve_device
-
     return resolve_device(device_opt), False
 
 
@@ -143,17 +142,10 @@ def check_fits(config: ModelConfig, device: torch.device) -> None:
     AdamW moments alone (16 bytes per parameter) exceed the device's whole memory: building it would end in
     an allocation traceback, or the out-of-memory killer, only after that work."""
     params = count_params(config)["total"]
-    need = 16 * params
-    if device.type == "cuda":
-        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
-    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
-        have, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine has"
-    else:  # no portable way to ask: leave it to the allocator
-        return
-    if need > have:
+    need, mem = 16 * params, memory(device)
+    if mem is not None and need > mem[0]:
         raise SwitchheadError(f"the model ({params:,} parameters) needs at least "
-                              f"{need / 2**30:,.1f} GiB for its weights, gradients and AdamW state; {where} "
-                              f"{have / 2**30:,.1f} GiB")
+                              f"{need / 2**30:,.1f} GiB for its weights, gradients and AdamW state; {mem[1]}")
 
 
 def _amp_dtype(device: torch.device, dtype_opt: str | None) -> torch.dtype:
