@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
-from switchhead.fileio import atomic_directory, check_output_dir
+from switchhead.fileio import atomic_directory, check_output_dir, read_utf8
 from switchhead.model.lm import check_ids
 from switchhead.model.tokenizer import vocab_mismatch
 from switchhead.runtime.sampling import check_utf8
@@ -465,10 +465,7 @@ def read_text(text: str | None, text_file: str | Path | None) -> str:
     if (text is None) == (text_file is None):
         raise SwitchheadError("give exactly one of --text or --text-file")
     if text_file is not None:
-        try:
-            text = Path(text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SwitchheadError(f"cannot read text file {text_file}: {e}") from None
+        text = read_utf8(text_file)
     if not text.strip():
         raise SwitchheadError("the text to inspect is empty")
     check_utf8(text, "the text to inspect")  # SentencePiece cannot take lone surrogates

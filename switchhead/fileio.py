@@ -21,25 +21,26 @@ def _nearest_existing(path: str | Path) -> Path:
     return next(p for p in Path(os.path.abspath(path)).parents if p.exists())
 
 
-def not_utf8(path: str | Path, data: bytes, start: int, offset: int, newlines_before: int = 0) -> SwitchheadError:
+def not_utf8(path: str | Path, data: bytes, start: int, offset: int, newlines_before: int = 0,
+             error: type[SwitchheadError] = SwitchheadError) -> SwitchheadError:
     """The error for a file that is not UTF-8: `data[start]` is its first bad byte, at file offset `offset`
     (`newlines_before`: line breaks in the file before `data`)."""
     line = newlines_before + data.count(b"\n", 0, start) + 1
-    return SwitchheadError(f"cannot read {path}: not valid UTF-8 (byte 0x{data[start]:02x} at offset {offset}, "
-                           f"line {line}); text files must be UTF-8")
+    return error(f"cannot read {path}: not valid UTF-8 (byte 0x{data[start]:02x} at offset {offset}, "
+                 f"line {line}); text files must be UTF-8")
 
 
-def read_utf8(path: str | Path) -> str:
-    """The text of a UTF-8 file. Unreadable or not UTF-8 is one line naming the file (and where the first bad
-    byte is), not a decoder's traceback; nothing is replaced, so no U+FFFD reaches a tokenizer."""
+def read_utf8(path: str | Path, error: type[SwitchheadError] = SwitchheadError) -> str:
+    """The text of a UTF-8 file. Unreadable or not UTF-8 is one line (an `error`) naming the file and where the
+    first bad byte is, not a decoder's traceback; nothing is replaced, so no U+FFFD reaches a tokenizer."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
-        raise SwitchheadError(f"cannot read {path}: {e.strerror or e}") from None
+        raise error(f"cannot read {path}: {e.strerror or e}") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise not_utf8(path, raw, e.start, e.start) from None
+        raise not_utf8(path, raw, e.start, e.start, error=error) from None
 
 
 def check_creatable(path: str | Path, what: str) -> None:

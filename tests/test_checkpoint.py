@@ -105,6 +105,8 @@ def _edit_weights(path, fn):
     (lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 5), "corrupt"),
     (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]), "corrupt"),
     (lambda p: (p / "config.json").write_text("{not json"), "JSON"),
+    (lambda p: (p / "config.json").write_bytes(b'{"d_model": 1\xff}'),
+     r"config.json: not valid UTF-8 \(byte 0xff at offset 13, line 1\)"),
     (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
                                                           "bogus": 1})), "unknown config key"),
     (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),

@@ -63,7 +63,8 @@ def test_resolve_config_from_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         resolve_config(tmp_path / "missing.json")
     (tmp_path / "bin.json").write_bytes(b'{"d_model": 64\xff}')
-    with pytest.raises(ConfigError, match=r"cannot read config file .*bin.json: .*can't decode byte 0xff"):
+    with pytest.raises(ConfigError, match=r"cannot read .*bin.json: not valid UTF-8 \(byte 0xff at offset 14, "
+                                          r"line 1\)"):
         resolve_config(tmp_path / "bin.json")
     (tmp_path / "bad.json").write_text('{"d_model": -1}')
     with pytest.raises(ConfigError, match=r"bad.json: ModelConfig.d_model must be a positive integer"):

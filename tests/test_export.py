@@ -369,6 +369,10 @@ DAMAGE = {
                                        "output logits has shape"),
     "unknown config key": (lambda d: _edit_json(d / "config.json", colour="red"), "unknown config key"),
     "layout not JSON": (lambda d: (d / "layout.json").write_text("{bad"), "layout.json is not readable JSON"),
+    "layout not UTF-8": (lambda d: (d / "layout.json").write_bytes(b'{\n"dtype": "fp\xe9"}'),
+                         r"cannot read .*layout.json: not valid UTF-8 \(byte 0xe9 at offset 14, line 2\)"),
+    "config not UTF-8": (lambda d: (d / "config.json").write_bytes(b'{"name": "\xe9"}'),
+                         r"cannot read .*config.json: not valid UTF-8 \(byte 0xe9 at offset 10, line 1\)"),
     "layout a list": (lambda d: (d / "layout.json").write_text("[]"), "layout.json is not a JSON object"),
     "layout claims fp16": (lambda d: _edit_json(d / "layout.json", dtype="fp16"), r"is tensor\(float\), expected"),
     # Neither changes the graph's interface, but the runtime would roll its cache at the wrong point.

@@ -182,6 +182,7 @@ def ckpt(tmp_path_factory):
     model = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size(), chunk_len=8))
     save(root / "ckpt", model, sp)
     save(root / "no-tokenizer", model)
+    (root / "latin1.txt").write_bytes("the café\n".encode("latin-1"))
     return root
 
 
@@ -236,6 +237,8 @@ def test_command_writes_figures_index_and_json(ckpt, tmp_path):
     (["--ckpt", "{root}/no-tokenizer", "--text", "x"], "no tokenizer"),
     (["--ckpt", "{root}/ckpt", "--text", "  \n"], "empty"),
     (["--ckpt", "{root}/ckpt", "--text-file", "{root}/nope.txt"], "cannot read"),
+    (["--ckpt", "{root}/ckpt", "--text-file", "{root}/latin1.txt"],
+     "latin1.txt: not valid UTF-8 (byte 0xe9 at offset 7, line 1)"),
     (["--ckpt", "{root}/ckpt", "--text", "x", "--text-file", "{root}/corpus.txt"], "exactly one"),
     (["--ckpt", "{root}/ckpt"], "exactly one"),
     (["--ckpt", "{root}/ckpt", "--text", "x", "--layers", "0,2"], "layer 2 out of range"),
@@ -243,7 +246,7 @@ def test_command_writes_figures_index_and_json(ckpt, tmp_path):
     (["--ckpt", "{root}/ckpt", "--text", "x", "--layers", "a,b"], "comma-separated"),
     (["--ckpt", "{root}/ckpt", "--text", "x", "--window", "0"], "window"),
     (["--ckpt", "{root}/ckpt", "--text", "a\udcffb"], "not valid UTF-8 (byte 0xFF at character 1)"),
-], ids=["missing-ckpt", "no-tokenizer", "empty-text", "missing-file", "both-texts", "no-text",
+], ids=["missing-ckpt", "no-tokenizer", "empty-text", "missing-file", "latin1-file", "both-texts", "no-text",
         "layer-range", "head-range", "bad-list", "bad-window", "undecodable-byte"])
 def test_bad_input_is_one_line_exit_2(ckpt, tmp_path, args, message):
     r = _run(*[a.format(root=ckpt) for a in args], "--out", tmp_path / "out")

@@ -277,6 +277,16 @@ def test_cli_prompts_file_errors_name_the_file_line(ckpt, tmp_path, text, messag
     assert len(err) == 1 and err[0].startswith(f"Error: {f}") and message in err[0], r.stderr
 
 
+def test_cli_prompts_file_that_is_not_utf8_is_one_line_exit_2(ckpt, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_bytes("a river\n\nthe café\n".encode("latin-1"))
+    r = _run(["--ckpt", ckpt, "--prompts-file", str(f)])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    err = r.stderr.strip().splitlines()
+    assert err == [f"Error: cannot read {f}: not valid UTF-8 (byte 0xe9 at offset 16, line 3); text files must be "
+                   "UTF-8"], r.stderr
+
+
 def test_cli_stdin_that_is_not_utf8_is_one_line_exit_2(ckpt):
     r = _run(["--ckpt", ckpt], input=b"caf\xe9\n")  # the test runner's stdin decodes strictly
     assert r.exit_code == 2, r.output

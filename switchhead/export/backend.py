@@ -18,6 +18,7 @@ from torch import Tensor
 from switchhead.errors import SwitchheadError, brief
 from switchhead.export import exporter, schema
 from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE, layout
+from switchhead.fileio import read_utf8
 from switchhead.model.checkpoint import read_config, read_tokenizer
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
@@ -125,9 +126,10 @@ class OnnxBackend(Backend):
 
 
 def _json_object(path: Path) -> dict:
+    text = read_utf8(path)
     try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
         raise SwitchheadError(f"{path} is not readable JSON: {e}") from None
     if not isinstance(d, dict):
         raise SwitchheadError(f"{path} is not a JSON object")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from switchhead.devices import resolve_device
 from switchhead.errors import CheckpointError, ConfigError
-from switchhead.fileio import atomic_directory, check_output_dir, holds_only
+from switchhead.fileio import atomic_directory, check_output_dir, holds_only, read_utf8
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import vocab_mismatch
@@ -83,9 +83,10 @@ def load_config(path: str | Path) -> ModelConfig:
 
 def read_config(file: Path) -> ModelConfig:
     """A config.json (of a checkpoint or an ONNX export), validated; its problems name the file."""
+    text = read_utf8(file, CheckpointError)
     try:
-        return ModelConfig.from_json(file.read_text(encoding="utf-8"))
-    except (ConfigError, OSError, UnicodeDecodeError) as e:
+        return ModelConfig.from_json(text)
+    except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from switchhead.errors import ConfigError, is_finite_number, is_int
+from switchhead.fileio import read_utf8
 
 ATTENTION_KINDS = ("switchhead", "dense", "moa")
 POSITIONAL_KINDS = ("xl", "rope")
@@ -204,10 +205,7 @@ def resolve_config(spec: str | Path) -> ModelConfig:
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise ConfigError(f"config file not found: {spec}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read config file {spec}: {e}") from None
+        text = read_utf8(path, ConfigError)
         try:
             return ModelConfig.from_json(text)
         except ConfigError as e:

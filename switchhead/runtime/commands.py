@@ -9,6 +9,7 @@ from pathlib import Path
 
 from switchhead.devices import resolve_device
 from switchhead.errors import SwitchheadError
+from switchhead.fileio import read_utf8
 from switchhead.runtime.backends import TorchBackend
 from switchhead.runtime.engine import Generator
 from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
@@ -38,10 +39,7 @@ def read_prompts_file(path: str | Path) -> list[tuple[int, str]]:
     """(line number, prompt) for the prompts of a file: one per non-blank line, or JSONL objects with a "prompt"
     field (decided by whether the first non-blank line is a JSON object)."""
     path = Path(path)
-    try:
-        lines = [(n, ln) for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise SwitchheadError(f"cannot read prompts file {path}: {e}") from None
+    lines = [(n, ln) for n, ln in enumerate(read_utf8(path).splitlines(), 1) if ln.strip()]
     if not lines:
         raise SwitchheadError(f"prompts file {path} has no prompts")
     if not _is_json_object(lines[0][1]):
