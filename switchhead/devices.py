@@ -31,6 +31,8 @@ def memory(device: torch.device, available: bool = False) -> tuple[int, str] | N
     or in the out-of-memory killer once the pages are touched, into one line."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        # Blocks PyTorch's caching allocator holds but no tensor uses are free to us, not to the driver.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         have = free if available else total
         return have, f"{device} has {have / 2**30:,.1f} GiB" + (" free" if available else "")
     if available:

@@ -1,11 +1,11 @@
 """The KV cache's defining property: cached logits equal the chunked `TransformerLM.forward` over the same tokens,
 for every architecture, prompt length, step pattern and batch composition."""
 
-import os
 import random
 
 import pytest
 import torch
+from tiny import batch_past_available_memory, needs_meminfo
 
 from switchhead import PRESETS, TransformerLM
 from switchhead.errors import SwitchheadError
@@ -132,15 +132,13 @@ def test_buffers_are_preallocated_and_never_move():
     assert cache.seen.tolist() == [4 * T + 5, 2 * T + 3]
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's MemAvailable")
+@needs_meminfo
 @pytest.mark.parametrize("name", ["tiny-switchhead", "tiny-moa"])
 def test_cache_larger_than_available_memory_is_refused_before_allocating(name):
     """Allocated layer by layer, such a cache would be granted and then die zeroing its pages (OOM killer)."""
     cfg = PRESETS[name]
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     row = XLCache(cfg, 1).nbytes
-    batch = int(available * 1.05) // row + 1  # 5 %: what other processes free meanwhile stays below that
+    batch = batch_past_available_memory(row)
     with pytest.raises(SwitchheadError, match=rf"^the KV cache for {batch} sequences needs {batch * row} bytes "
                                               r"\([0-9.,]+ GiB\); this machine has [0-9.,]+ GiB available$"):
         XLCache(cfg, batch)

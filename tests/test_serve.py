@@ -2,7 +2,6 @@
 by raw HTTP; served text is compared with `Generator.generate` run on a separately loaded copy of the model."""
 
 import json
-import os
 import queue
 import socket
 import threading
@@ -16,7 +15,7 @@ import pytest
 import torch
 import uvicorn
 from click.testing import CliRunner
-from tiny import WORDS
+from tiny import WORDS, batch_past_available_memory, needs_meminfo
 
 import switchhead
 from switchhead import PRESETS, TransformerLM
@@ -430,19 +429,13 @@ def test_cli_max_batch_too_large_for_memory_is_one_line_exit_2(ckpt, max_batch, 
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's MemAvailable")
+@needs_meminfo
 def test_cli_max_batch_past_available_memory_is_refused_before_allocating(ckpt):
     """The cache is allocated layer by layer, so the allocator grants one larger than the memory available now,
     and zeroing it then ends in swapping or the OOM killer: it is refused before anything is allocated."""
     cfg = switchhead.load(ckpt)[0].config
-    one = XLCache(cfg, 1)
-    row = sum(t.numel() * t.element_size() for t in one.keys + one.values)
-    max_batch = int(_mem_available() * 1.05) // row + 1  # 5 %: what other processes free meanwhile stays below
+    row = XLCache(cfg, 1).nbytes
+    max_batch = batch_past_available_memory(row)
     r = CliRunner().invoke(main, ["serve", "--ckpt", ckpt, "--port", "0", "--max-batch", str(max_batch)])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert f"the KV cache for {max_batch} sequences needs {max_batch * row} bytes" in r.output

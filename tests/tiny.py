@@ -1,8 +1,10 @@
 """Tiny artefacts the tests build for themselves."""
 
 import io
+import os
 import random
 
+import pytest
 import sentencepiece as spm
 
 WORDS = "the quick brown fox jumps over lazy dogs while birds sing in trees near a river at dawn".split()
@@ -30,3 +32,16 @@ def write_corpus(path, words: list[str], n_lines: int, per_line: int | tuple[int
              for _ in range(n_lines)]
     path.write_text("\n".join(lines) + end)
     return path
+
+
+# For tests of allocations refused because they exceed Linux's MemAvailable, read here independently of
+# switchhead.devices.
+needs_meminfo = pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's MemAvailable")
+
+
+def batch_past_available_memory(row_bytes: int) -> int:
+    """The smallest batch of `row_bytes` rows that exceeds the memory available now by 5 % (more than other
+    processes free while the test runs), so that it must be refused and can never be allocated."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return int(available * 1.05) // row_bytes + 1

@@ -60,7 +60,7 @@ class XLCache:
         self.device = torch.device(device)
         shape = (batch, kv_heads(cfg), 2 * self.T, cfg.d_head)
         what = f"the KV cache for {batch} sequence{'s' * (batch > 1)}"
-        nbytes = 2 * cfg.n_layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = 2 * cfg.n_layers * math.prod(shape) * dtype.itemsize
         check_allocation(nbytes, self.device, what)
         try:
             self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
