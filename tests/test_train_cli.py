@@ -114,6 +114,26 @@ def test_unwrap_is_part_of_the_run(corpus, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_damaged_run_record_on_resume_is_one_line(corpus, tmp_path):
+    out = tmp_path / "run"
+    assert _tiny(out, corpus, tmp_path).exit_code == 0
+    good = (out / "run.json").read_text()
+    spec = json.loads(good)
+    for text, message in [
+        ("[]", "run.json is not a switchhead training run record"),
+        ('{"format": "other/1"}', "run.json is not a switchhead training run record"),
+        ("{bad", "run.json is unreadable: Expecting property name"),
+        (json.dumps({**spec, "options": 5}), "run.json is unreadable: TypeError"),
+        (json.dumps({k: v for k, v in spec.items() if k != "data"}), "run.json is unreadable: KeyError('data')"),
+    ]:
+        (out / "run.json").write_text(text)
+        _assert_user_error(_run("--out", out, "--resume", "--steps", 6), message)
+    # Keys in "options" that are no option of ours are not passed on as options.
+    (out / "run.json").write_text(json.dumps({**spec, "options": {**spec["options"], "colour": "red"}}))
+    r = _run("--out", out, "--resume", "--steps", 6, "--no-progress")
+    assert r.exit_code == 0, r.output
+
+
 def test_existing_run_and_changed_config_on_resume(corpus, tmp_path):
     out = tmp_path / "run"
     assert _tiny(out, corpus, tmp_path).exit_code == 0

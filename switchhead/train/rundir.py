@@ -82,16 +82,28 @@ def resume_defaults(out: str | Path) -> dict:
     run_file = Path(out) / RUN_FILE
     if not run_file.is_file():
         raise _no_run_to_resume(Path(out))
+    spec = _read_run_file(run_file)
     try:
-        spec = json.loads(run_file.read_text())
+        options = spec.get("options", {})
         return {
-            **spec.get("options", {}),
+            **{k: options[k] for k in _RESUMABLE if k in options},  # a key of ours, not any the file holds
             "config": ModelConfig.from_dict(spec["model_config"]),
             "data": [d["path"] for d in spec["data"]],
             "eval_data": list(spec.get("eval_data", [])),
         }
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
+        raise SwitchheadError(f"{run_file} is unreadable: {e!r}") from None
+
+
+def _read_run_file(run_file: Path) -> dict:
+    """The run record in `run_file`, if it is one."""
+    try:
+        spec = json.loads(run_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
+    if not isinstance(spec, dict) or spec.get("format") != RUN_FORMAT:
+        raise SwitchheadError(f"{run_file} is not a switchhead training run record")
+    return spec
 
 
 def _no_run_to_resume(out: Path) -> SwitchheadError:
@@ -135,12 +147,7 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
         if resume:
             raise _no_run_to_resume(out)
         return None
-    try:
-        spec = json.loads(run_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
-    if not isinstance(spec, dict) or spec.get("format") != RUN_FORMAT:
-        raise SwitchheadError(f"{run_file} is not a switchhead training run record")
+    spec = _read_run_file(run_file)
     if not resume:
         raise SwitchheadError(
             f"--out {out} already holds a training run; pass --resume to continue it or "
