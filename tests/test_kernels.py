@@ -278,6 +278,19 @@ def test_opcheck_triton(backend):
     )
 
 
+@pytest.mark.parametrize("n_experts", [1, 5, 255, 256, 300, 2**15, 40000])  # uint8, int16 and int64 sort keys
+def test_sort_pairs_groups_pairs_by_expert_stably(n_experts):
+    from switchhead.kernels import triton_kernels
+
+    g = torch.Generator().manual_seed(n_experts)
+    index = torch.randint(0, n_experts, (37, 6), generator=g)
+    index[0, 0] = n_experts - 1  # the largest expert id is present
+    order, offsets = triton_kernels._sort_pairs(index.to(DEVICE), n_experts)
+    flat = index.reshape(-1)
+    assert order.tolist() == torch.argsort(flat, stable=True).tolist()
+    assert offsets.tolist() == [0] + torch.bincount(flat, minlength=n_experts).cumsum(0).tolist()
+
+
 def test_autotune_key_buckets_token_counts(backend):
     backend("triton")
     from switchhead.kernels import triton_kernels
@@ -463,6 +476,12 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
             assert build.stack_bytes == 0, (launch.kernel, config, build)
             if launch.kernel != "_gather_kernel":  # the decode kernel reads unpadded rows
                 assert build.async_copies and (build.tensor_cores or dtype == torch.float32), (launch.kernel, build)
+            # Shared output rows take relaxed atomic adds (Triton 3.6 emits atom, 3.9 red): the default acq_rel
+            # ones were 1.5-2x slower on an H100 (docs/BENCHMARKS.md). The other builds have no atomics at all.
+            if launch.kwargs.get("ATOMIC"):
+                assert build.atomics and all(".relaxed.add." in a for a in build.atomics), (launch.kernel, build)
+            else:
+                assert build.atomics == (), (launch.kernel, config, build)
 
 
 def test_gpu_benchmark_table_runs_under_the_interpreter(backend):

@@ -14,6 +14,7 @@ pipelining. Used by `benchmarks/kernel_resources.py` and the tests.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ class Build:
     shared_bytes: int
     async_copies: bool  # cp.async in the PTX: tile loads are vectorised and pipelined
     tensor_cores: bool  # wgmma or mma in the PTX
+    atomics: tuple[str, ...]  # the distinct atomic instructions in the PTX, e.g. atom.global.gpu.relaxed.add.v4.f32
 
 
 KERNELS = ("_grouped_matmul_kernel", "_weight_grad_kernel", "_gather_kernel")
@@ -132,4 +134,5 @@ def build(launch: Launch, config=None, arch: int = 90) -> Build:
         shared_bytes=compiled.metadata.shared,
         async_copies="cp.async" in ptx,
         tensor_cores="wgmma" in ptx or "mma.sync" in ptx,
+        atomics=tuple(sorted(set(re.findall(r"\b(?:atom|red)\.[\w.]+", ptx)))),
     )

@@ -178,13 +178,15 @@ def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     """Pair ids (n*S + s) sorted by expert, and offsets[e]..offsets[e+1] = the pairs of expert e.
 
     The sort is stable so that the weight gradient sums every expert's pairs in the same order each run.
-    Nothing is copied to the host: the kernels find their tiles from `offsets` themselves.
+    Nothing is copied to the host: the kernels find their tiles from `offsets` themselves. (torch.bincount would
+    count the pairs per expert in one op, but on CUDA it reads the largest index on the host first: a sync per call.)
     """
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    offsets = torch.zeros(n_experts + 1, dtype=torch.int32, device=index.device)
-    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=n_experts)[:n_experts], 0)
-    return order, offsets
+    # The narrowest key that holds every expert id and E itself: CUDA's radix sort makes one pass per key byte.
+    # On an H100, 65,536 pairs took 53 us to sort with int64 keys and 11 us with uint8 ones.
+    key_dtype = torch.uint8 if n_experts < 2**8 else torch.int16 if n_experts < 2**15 else index.dtype
+    keys, order = torch.sort(index.reshape(-1).to(key_dtype), stable=True)
+    bounds = torch.arange(n_experts + 1, dtype=keys.dtype, device=keys.device)
+    return order.to(torch.int32), torch.searchsorted(keys, bounds, out_int32=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -278,8 +280,10 @@ def _grouped_matmul_kernel(
     # STORE_PER is C_PER, or 1 when the caller wants one row per pair (to add them up in a fixed order itself).
     c_ptrs = c_ptr + (pair // STORE_PER)[:, None] * stride_c + offs_n[None, :]
     if ATOMIC:
-        # Several slots add into one output row (heads of O, slots of a head); c is an fp32 buffer.
-        tl.atomic_add(c_ptrs, acc, mask=mask_c)
+        # Several slots add into one output row (heads of O, slots of a head); c is an fp32 buffer. Only the
+        # adds must be atomic; nothing reads c before the kernel ends, so no ordering is needed. Relaxed adds
+        # instead of the default acq_rel ones made this kernel 1.2-2.1x faster on an H100 (docs/BENCHMARKS.md).
+        tl.atomic_add(c_ptrs, acc, mask=mask_c, sem="relaxed")
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
