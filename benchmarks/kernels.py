@@ -10,7 +10,8 @@
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
 GPU: the Triton op against a cuBLAS matmul of one expert's size over all N*S pairs (the same FLOPs without
-routing), forward and backward, fp16 and bf16, reported as % of cuBLAS speed.
+routing), forward and backward, fp16 and bf16, reported as % of cuBLAS speed, in GPU time (the kernels' durations,
+from torch.profiler) and in wall time per call (triton.testing.do_bench, host overhead included).
 """
 
 from __future__ import annotations
@@ -307,17 +308,38 @@ def _each(fn: Callable, calls: list[tuple]) -> None:
         fn(*args)
 
 
+def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """GPU time of one call in ms: the summed durations of every kernel, memset and copy it puts on the GPU
+    (torch.profiler), averaged over `reps` calls. Host overhead is not in it; the L2 cache stays warm."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events() if e.device_type == DeviceType.CUDA) / reps / 1e3
+
+
 def gpu_table(
-    ns: list[int], device: str = "cuda", cases: list[Case] = CASES, bench: Callable[[Callable], float] | None = None
+    ns: list[int],
+    device: str = "cuda",
+    cases: list[Case] = CASES,
+    bench: Callable[[Callable], float] | None = None,
+    gpu_time: Callable[[Callable], float] = kernel_ms,
 ) -> list[str]:
-    """Triton op vs one expert's matmul, forward and backward, fp16 and bf16. `bench` times a function in ms
-    (default: triton.testing.do_bench); `device` and `cases` let the table run on the CPU with TRITON_INTERPRET=1
-    and tiny cases, which checks this code where no GPU is available (the timings are then meaningless)."""
+    """Triton op vs one expert's matmul, forward and backward, fp16 and bf16, timed two ways: GPU time (`gpu_time`:
+    the kernels' durations) and wall time per call (`bench`, default triton.testing.do_bench, which includes the
+    host's launch overhead whenever the GPU finishes first). `device`, `cases` and the timers let the table run on
+    the CPU with TRITON_INTERPRET=1 and tiny cases, which checks this code without a GPU (timings meaningless)."""
     if bench is None:
         from triton.testing import do_bench as bench
 
     lines = _table(
-        "| case | dtype | N | op fwd ms | cuBLAS fwd ms | fwd % of cuBLAS | op bwd ms | cuBLAS bwd ms | bwd % |"
+        "| case | dtype | N | GPU fwd ms op | cuBLAS | % | GPU bwd ms op | cuBLAS | % "
+        "| wall fwd ms op | cuBLAS | % | wall bwd ms op | cuBLAS | % |"
     )
     saved = os.environ.get("SWITCHHEAD_KERNEL")
     os.environ["SWITCHHEAD_KERNEL"] = "triton"
@@ -325,7 +347,7 @@ def gpu_table(
         for dtype in (torch.float16, torch.bfloat16):
             for case in cases:
                 for n in ns:
-                    _add_row(lines, _gpu_row(case, n, dtype, device, bench))
+                    _add_row(lines, _gpu_row(case, n, dtype, device, bench, gpu_time))
     finally:
         if saved is None:
             del os.environ["SWITCHHEAD_KERNEL"]
@@ -334,7 +356,9 @@ def gpu_table(
     return lines
 
 
-def _gpu_row(case: Case, n: int, dtype: torch.dtype, device: str, bench: Callable[[Callable], float]) -> str:
+def _gpu_row(
+    case: Case, n: int, dtype: torch.dtype, device: str, bench: Callable[[Callable], float], gpu_time: Callable
+) -> str:
     x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
     grads = [x, w] + ([gate] if gate is not None else [])
     # One expert's matrix applied to all N*S pairs: the op's FLOPs without routing.
@@ -343,14 +367,16 @@ def _gpu_row(case: Case, n: int, dtype: torch.dtype, device: str, bench: Callabl
     out = expert_projection(x, w, index, gate, case.n_out)
     dense = xd @ wd
     go, gd = torch.randn_like(out), torch.randn_like(dense)
-    t_op = bench(_call(expert_projection, x, w, index, gate, case.n_out))
-    t_mm = bench(_call(_matmul, xd, wd))
-    t_op_b = bench(_call(torch.autograd.grad, out, grads, go, True))
-    t_mm_b = bench(_call(torch.autograd.grad, dense, [xd, wd], gd, True))
-    return (
-        f"| {case.name} | {str(dtype)[6:]} | {n} | {t_op:.4f} | {t_mm:.4f} | {100 * t_mm / t_op:.0f}% "
-        f"| {t_op_b:.4f} | {t_mm_b:.4f} | {100 * t_mm_b / t_op_b:.0f}% |"
-    )
+    pairs = [  # (op, cuBLAS): forward, backward
+        (_call(expert_projection, x, w, index, gate, case.n_out), _call(_matmul, xd, wd)),
+        (_call(torch.autograd.grad, out, grads, go, True), _call(torch.autograd.grad, dense, [xd, wd], gd, True)),
+    ]
+    cells = []
+    for timer in (gpu_time, bench):
+        for op, mm in pairs:
+            t_op, t_mm = timer(op), timer(mm)
+            cells.append(f"{t_op:.4f} | {t_mm:.4f} | {100 * t_mm / t_op:.0f}%")
+    return f"| {case.name} | {str(dtype)[6:]} | {n} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
