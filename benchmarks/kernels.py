@@ -308,9 +308,9 @@ def _each(fn: Callable, calls: list[tuple]) -> None:
         fn(*args)
 
 
-def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """GPU time of one call in ms: the summed durations of every kernel, memset and copy it puts on the GPU
-    (torch.profiler), averaged over `reps` calls. Host overhead is not in it; the L2 cache stays warm."""
+def kernel_times(fn: Callable[[], object], reps: int = 20) -> dict[str, float]:
+    """GPU time of one call in ms per kernel name: the durations of every kernel, memset and copy it puts on the
+    GPU (torch.profiler), averaged over `reps` calls. Host overhead is not in it; the L2 cache stays warm."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -320,7 +320,16 @@ def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type == DeviceType.CUDA) / reps / 1e3
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / reps / 1e3
+    return times
+
+
+def kernel_ms(fn: Callable[[], object]) -> float:
+    """GPU time of one call in ms, all kernels together (see kernel_times)."""
+    return sum(kernel_times(fn).values())
 
 
 def gpu_table(

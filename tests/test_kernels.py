@@ -477,7 +477,7 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
             if launch.kernel != "_gather_kernel":  # the decode kernel reads unpadded rows
                 assert build.async_copies and (build.tensor_cores or dtype == torch.float32), (launch.kernel, build)
             # Shared output rows take relaxed atomic adds (Triton 3.6 emits atom, 3.9 red): the default acq_rel
-            # ones were 1.5-2x slower on an H100 (docs/BENCHMARKS.md). The other builds have no atomics at all.
+            # ones were 1.4-2.1x slower on an H100 (docs/BENCHMARKS.md). The other builds have no atomics at all.
             if launch.kwargs.get("ATOMIC"):
                 assert build.atomics and all(".relaxed.add." in a for a in build.atomics), (launch.kernel, build)
             else:

@@ -282,7 +282,7 @@ def _grouped_matmul_kernel(
     if ATOMIC:
         # Several slots add into one output row (heads of O, slots of a head); c is an fp32 buffer. Only the
         # adds must be atomic; nothing reads c before the kernel ends, so no ordering is needed. Relaxed adds
-        # instead of the default acq_rel ones made this kernel 1.2-2.1x faster on an H100 (docs/BENCHMARKS.md).
+        # instead of the default acq_rel ones made this kernel 1.4-2.1x faster on an H100 (docs/BENCHMARKS.md).
         tl.atomic_add(c_ptrs, acc, mask=mask_c, sem="relaxed")
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
