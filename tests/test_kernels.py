@@ -485,8 +485,8 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
 
 
 def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
-    """benchmarks/kernels.py's GPU table has only run where no GPU was: run its code on the CPU (Triton
-    interpreter, tiny cases, one timed call per cell) so that it is known to work before it meets one."""
+    """benchmarks/kernels.py's GPU table, run on the CPU (Triton interpreter, tiny cases, one timed call per
+    cell): its code keeps working where no GPU is, so that it runs unchanged when one is there."""
     import importlib.util
     import time
     from pathlib import Path
