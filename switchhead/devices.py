@@ -56,3 +56,11 @@ def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
     mem = memory(device, available=True)
     if mem is not None and nbytes > mem[0]:
         raise SwitchheadError(f"{what} needs {nbytes} bytes ({nbytes / 2**30:,.4g} GiB); {mem[1]}")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation that failed: torch.OutOfMemoryError (CUDA, MPS), the CPU allocator's
+    RuntimeError (memory refused up front, e.g. beyond RAM + swap) or Python's MemoryError."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import switchhead
@@ -300,6 +301,56 @@ def test_diverging_run_stops_without_saving_nan_weights(corpus, tmp_path):
     # So large that AdamW's first step cannot be applied to float32 weights (it crashed): refused up front.
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--lr", "1e308"), "--lr must be at most 1.7e+37")
     assert not (tmp_path / "o").exists()
+
+
+def _fail_nth_loss(monkeypatch, n: int, exc: Exception) -> None:
+    """Let torch's cross_entropy (every training step and evaluation batch calls it once) raise `exc` on its n-th
+    call: an allocation failing mid-run, as a batch too large for the device's memory makes it."""
+    import torch.nn.functional as F
+
+    real, calls = F.cross_entropy, []
+
+    def cross_entropy(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+
+
+CUDA_OOM = "CUDA out of memory. Tried to allocate 20.00 GiB"
+CPU_OOM = "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 9"
+
+
+@pytest.mark.parametrize(
+    "exc", [torch.OutOfMemoryError(CUDA_OOM), RuntimeError(CPU_OOM), MemoryError()], ids=["cuda", "cpu", "python"]
+)
+def test_out_of_memory_stops_in_one_line_and_keeps_the_checkpoint(corpus, tmp_path, monkeypatch, exc):
+    out = tmp_path / "run"
+    _fail_nth_loss(monkeypatch, 3, exc)
+    chunk = switchhead.PRESETS["tiny-switchhead"].chunk_len
+    r = _tiny(out, corpus, tmp_path, "--steps", 6, "--save-every", 2)
+    _assert_user_error(r, f"out of memory on cpu in step 3 (2 lanes x {chunk} tokens); stopped ({out / 'checkpoint'} "
+                          "still holds step 2); use a smaller --batch-size")
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
+    switchhead.load(out / "checkpoint")
+    assert not (out / "final").exists()
+
+
+def test_out_of_memory_in_evaluation_names_the_eval_batch(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _fail_nth_loss(monkeypatch, 2, torch.OutOfMemoryError(CUDA_OOM))  # step 1, then its evaluation
+    chunk = switchhead.PRESETS["tiny-switchhead"].chunk_len
+    r = _tiny(out, corpus, tmp_path, "--eval-data", corpus, "--eval-every", 1, "--eval-batch-size", 3)
+    _assert_user_error(r, f"out of memory on cpu in the evaluation after step 1 (3 lanes x {chunk} tokens); stopped "
+                          "(no checkpoint was written); use a smaller --eval-batch-size")
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(corpus, tmp_path, monkeypatch):
+    _fail_nth_loss(monkeypatch, 2, RuntimeError("something else broke"))
+    r = _tiny(tmp_path / "run", corpus, tmp_path)
+    assert isinstance(r.exception, RuntimeError) and str(r.exception) == "something else broke"
 
 
 def test_resume_with_a_renamed_config(corpus, tmp_path):

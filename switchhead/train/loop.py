@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from switchhead.devices import memory, resolve_device
+from switchhead.devices import memory, out_of_memory, resolve_device
 from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number, is_int
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
@@ -438,11 +438,24 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     interrupted = False
     saved_step = start_step if opts.resume else None
 
+    def kept() -> str:
+        return f"{ckpt_dir} still holds step {saved_step}" if saved_step is not None else "no checkpoint was written"
+
     def diverged(at: int, problem: str) -> SwitchheadError:
-        kept = f"{ckpt_dir} still holds step {saved_step}" if saved_step is not None else "no checkpoint was written"
         return SwitchheadError(
-            f"training diverged at step {at}: {problem}; stopped without saving it ({kept}); "
+            f"training diverged at step {at}: {problem}; stopped without saving it ({kept()}); "
             f"start a new run with a lower --lr than {opts.lr:g}"
+        )
+
+    def out_of_memory_at(at: int, evaluating: bool) -> SwitchheadError:
+        # check_fits counts weights, gradients and optimizer state up front; activations grow with the batch
+        # and are only known once a step runs.
+        smaller = "--eval-batch-size" if evaluating else "--batch-size"
+        batch = (opts.eval_batch_size or opts.batch_size) if evaluating else opts.batch_size
+        return SwitchheadError(
+            f"out of memory on {device} in {'the evaluation after ' if evaluating else ''}step {at} "
+            f"({batch} lanes x {config.chunk_len} tokens); stopped ({kept()}); use a smaller {smaller}"
+            + ("" if device.type == "cpu" or amp_dtype != torch.float32 else " or --dtype bfloat16")
         )
 
     def log(record: dict) -> None:
@@ -483,6 +496,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         _barrier()
         saved_step = step_done
 
+    evaluating = False
     try:
         with _StopFlag() as stop:
             model.train()
@@ -541,7 +555,9 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                 bar.update(1)
 
                 if eval_stream is not None and (done % opts.eval_every == 0 or done == opts.steps):
+                    evaluating = True
                     ev = evaluate(model, eval_stream, opts.eval_batch_size or opts.batch_size, device, amp_dtype)
+                    evaluating = False
                     if not math.isfinite(ev["val_loss"]):
                         raise diverged(done, f"the validation loss is {ev['val_loss']}")
                     val_ppl = ev["val_ppl"]
@@ -562,6 +578,10 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                 if done % opts.save_every == 0 or done == opts.steps:
                     checkpoint(done)
                 step = done
+    except (RuntimeError, MemoryError) as exc:
+        if not out_of_memory(exc):
+            raise
+        raise out_of_memory_at(step + 1, evaluating) from None
     finally:
         bar.close()
         if metrics is not None:
