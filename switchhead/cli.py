@@ -11,13 +11,25 @@ from switchhead.errors import SwitchheadError
 
 
 class Group(click.Group):
-    """Turns user errors into one line on stderr and exit code 2 (no traceback)."""
+    """Turns user errors into one line on stderr and exit code 2 (no traceback). So is running out of memory, which
+    a command's own checks cannot always foresee (activations grow with the batch and the prompt lengths)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except SwitchheadError as e:
             click.echo(f"Error: {e}", err=True)
+            sys.exit(2)
+        except (RuntimeError, MemoryError) as e:
+            from switchhead.devices import out_of_memory
+
+            if not out_of_memory(e):
+                raise
+            lines = str(e).strip().splitlines()
+            command = self.get_command(ctx, ctx.invoked_subcommand or "")
+            batch = command is not None and any(p.name == "batch_size" for p in command.params)
+            click.echo(f"Error: out of memory ({lines[0] if lines else type(e).__name__})"
+                       + ("; use a smaller --batch-size" if batch else ""), err=True)
             sys.exit(2)
 
 

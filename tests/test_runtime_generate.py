@@ -262,6 +262,35 @@ def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, model, args, message):
     assert len(err) == 1 and err[0].startswith("Error:") and message in err[0], r.stderr
 
 
+@pytest.mark.parametrize("exc", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0"),
+                                 RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't "
+                                              "allocate memory: you tried to allocate 9")], ids=["cuda", "cpu"])
+def test_cli_out_of_memory_is_one_line_exit_2(ckpt, monkeypatch, exc):
+    """Memory running out mid-generation (here: torch's linear layer refusing, as it does when a batch of long
+    prompts needs more than the device has) is one line, with the torch message's first line."""
+    import torch.nn.functional as F
+
+    def linear(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(F, "linear", linear)
+    r = _run(["--ckpt", ckpt, "the fox"])
+    assert r.exit_code == 2, (r.output, r.exception)
+    first = str(exc).splitlines()[0]
+    assert r.output.strip() == f"Error: out of memory ({first}); use a smaller --batch-size"
+
+
+def test_cli_other_runtime_errors_keep_their_traceback(ckpt, monkeypatch):
+    import torch.nn.functional as F
+
+    def linear(*args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(F, "linear", linear)
+    r = _run(["--ckpt", ckpt, "the fox"])
+    assert isinstance(r.exception, RuntimeError) and "shapes cannot be multiplied" in str(r.exception)
+
+
 @pytest.mark.parametrize("text,message", [
     ('{"prompt": "a"}\n \n\n\n{"prompt": "b\\ud800"}\n', "line 5: prompt is not valid UTF-8 (lone surrogate U+D800"),
     ('{"prompt": "a"}\n\n{"prompt": "  "}\n', "line 3: empty prompt"),
