@@ -72,27 +72,32 @@ class TransformerLM(nn.Module):
         check_batch(input_ids)
         # The range check is a host sync on a GPU: not paid per training step there (inference pays it).
         check_ids(input_ids, cfg.vocab_size, values=input_ids.device.type == "cpu" or not self.training)
-        if input_ids.shape[1] > cfg.chunk_len:
-            logits = []
-            for chunk in input_ids.split(cfg.chunk_len, dim=1):
-                out, memory = self(chunk, memory)
-                logits.append(out)
-            return torch.cat(logits, 1), memory
         if memory is not None and cfg.mem_chunks == 0:
             memory = None
         if memory is not None:
-            want = self.embed.weight
-            if not isinstance(memory, Tensor) or memory.dim() != 4 or memory.shape[0] != cfg.n_layers or \
-                    memory.shape[1] != input_ids.shape[0] or memory.shape[3] != cfg.d_model:
-                raise SwitchheadError(f"memory has shape {tuple(getattr(memory, 'shape', ()))}; expected "
-                                      f"[{cfg.n_layers}, {input_ids.shape[0]}, M, {cfg.d_model}]")
-            if memory.dtype != want.dtype or memory.device != want.device:
-                raise SwitchheadError(f"memory is {memory.dtype} on {memory.device}; the model is {want.dtype} on "
-                                      f"{want.device} (pass back the memory a previous call returned)")
+            self._check_memory(memory, input_ids.shape[0])
+        logits = []
+        for chunk in input_ids.split(cfg.chunk_len, dim=1):  # checked once above, not per chunk
+            out, memory = self._chunk(chunk, memory)
+            logits.append(out)
+        return (logits[0] if len(logits) == 1 else torch.cat(logits, 1)), memory
+
+    def _check_memory(self, memory: Tensor, batch: int) -> None:
+        cfg, want = self.config, self.embed.weight
+        if not isinstance(memory, Tensor) or memory.dim() != 4 or memory.shape[0] != cfg.n_layers or \
+                memory.shape[1] != batch or memory.shape[3] != cfg.d_model:
+            raise SwitchheadError(f"memory has shape {tuple(getattr(memory, 'shape', ()))}; expected "
+                                  f"[{cfg.n_layers}, {batch}, M, {cfg.d_model}]")
+        if memory.dtype != want.dtype or memory.device != want.device:
+            raise SwitchheadError(f"memory is {memory.dtype} on {memory.device}; the model is {want.dtype} on "
+                                  f"{want.device} (pass back the memory a previous call returned)")
+
+    def _chunk(self, input_ids: Tensor, memory: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """One chunk of at most chunk_len tokens, its inputs already checked."""
         x = self.drop(self.embed(input_ids))
         new_memory = []
         for i, block in enumerate(self.blocks):
-            if cfg.mem_chunks:
+            if self.config.mem_chunks:
                 new_memory.append(x.detach())
             x = block(x, None if memory is None else memory[i])
         return self.out(self.drop(self.ln_f(x))), torch.stack(new_memory) if new_memory else None
