@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from switchhead.devices import check_allocation
+from switchhead.devices import check_allocation, out_of_memory
 from switchhead.errors import SwitchheadError
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
@@ -65,7 +65,9 @@ class XLCache:
         try:
             self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.n_layers)]
-        except (RuntimeError, MemoryError):  # torch.OutOfMemoryError (CUDA) is a RuntimeError
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
             raise SwitchheadError(f"{what} needs {nbytes} bytes ({nbytes / 2**30:,.4g} GiB), which could not be "
                                   f"allocated on {self.device}") from None
         self.fill = torch.zeros(batch, dtype=torch.long, device=self.device)  # tokens in the current chunk
