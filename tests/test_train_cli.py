@@ -129,6 +129,10 @@ def test_damaged_run_record_on_resume_is_one_line(corpus, tmp_path):
     ]:
         (out / "run.json").write_text(text)
         _assert_user_error(_run("--out", out, "--resume", "--steps", 6), message)
+    # Not UTF-8: the message every text file of ours gets, with where the bad byte is.
+    (out / "run.json").write_bytes(b'{"format": "\xff"}')
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6),
+                       "run.json: not valid UTF-8 (byte 0xff at offset 12, line 1)")
     # Keys in "options" that are no option of ours are not passed on as options.
     (out / "run.json").write_text(json.dumps({**spec, "options": {**spec["options"], "colour": "red"}}))
     r = _run("--out", out, "--resume", "--steps", 6, "--no-progress")

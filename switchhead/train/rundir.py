@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from switchhead.errors import CheckpointError, SwitchheadError
-from switchhead.fileio import check_creatable, write_atomic
+from switchhead.fileio import check_creatable, read_utf8, write_atomic
 from switchhead.model.checkpoint import CONFIG
 from switchhead.model.checkpoint import load as load_checkpoint
 from switchhead.model.config import ModelConfig
@@ -97,9 +97,10 @@ def resume_defaults(out: str | Path) -> dict:
 
 def _read_run_file(run_file: Path) -> dict:
     """The run record in `run_file`, if it is one."""
+    text = read_utf8(run_file)
     try:
-        spec = json.loads(run_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        spec = json.loads(text)
+    except ValueError as e:
         raise SwitchheadError(f"{run_file} is unreadable: {e}") from None
     if not isinstance(spec, dict) or spec.get("format") != RUN_FORMAT:
         raise SwitchheadError(f"{run_file} is not a switchhead training run record")
