@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from switchhead.devices import memory, out_of_memory, resolve_device
+from switchhead.devices import memory as device_memory
+from switchhead.devices import out_of_memory, resolve_device
 from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number, is_int
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
@@ -142,7 +143,7 @@ def check_fits(config: ModelConfig, device: torch.device) -> None:
     AdamW moments alone (16 bytes per parameter) exceed the device's whole memory: building it would end in
     an allocation traceback, or the out-of-memory killer, only after that work."""
     params = count_params(config)["total"]
-    need, mem = 16 * params, memory(device)
+    need, mem = 16 * params, device_memory(device)
     if mem is not None and need > mem[0]:
         raise SwitchheadError(f"the model ({params:,} parameters) needs at least "
                               f"{need / 2**30:,.1f} GiB for its weights, gradients and AdamW state; {mem[1]}")
