@@ -182,8 +182,8 @@ def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     Nothing is copied to the host: the kernels find their tiles from `offsets` themselves. (torch.bincount would
     count the pairs per expert in one op, but on CUDA it reads the largest index on the host first: a sync per call.)
     """
-    # The narrowest key that holds every expert id and E itself: CUDA's radix sort makes one pass per key byte.
-    # On an H100, 65,536 pairs took 53 us to sort with int64 keys and 11 us with uint8 ones.
+    # The narrowest key that holds every expert id and E itself: CUDA's radix sort makes one pass per key byte
+    # (one instead of eight for int64).
     key_dtype = torch.uint8 if n_experts < 2**8 else torch.int16 if n_experts < 2**15 else index.dtype
     keys, order = torch.sort(index.reshape(-1).to(key_dtype), stable=True)
     bounds = torch.arange(n_experts + 1, dtype=keys.dtype, device=keys.device)
