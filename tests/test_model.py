@@ -240,3 +240,30 @@ def test_bfloat16_autocast_trains_and_stays_close_to_float32(name):
     assert (got.float() - want).abs().mean() < 0.02 * want.abs().mean()
     got.float().logsumexp(-1).mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny-switchhead", "tiny-switchall", "tiny-moa", "tiny-switchhead-rope-nomem"])
+def test_model_compiles_without_graph_breaks_and_matches(name):
+    # fullgraph=True raises at the first graph break; aot_eager traces forward and backward like inductor does,
+    # without needing a C++ compiler. Training mode, so the CPU id check runs in the eager model.
+    torch.compiler.reset()  # each test's model is new to dynamo: without this the cases share its recompile limit
+    cfg = PRESETS[name].replace(vocab_size=41, chunk_len=5, dropout=0.0)
+    torch.manual_seed(4)
+    model = TransformerLM(cfg).double()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for t in (12, 3):  # several chunks with a partial last one, then a new length (a second graph)
+        ids = torch.randint(0, 41, (2, t))
+        got, mem = compiled(ids)
+        more, _ = compiled(ids, mem)
+        for b in range(2):
+            torch.testing.assert_close(got[b], naive.lm_forward(model, ids[b]), rtol=1e-8, atol=1e-8)
+        want, want_mem = model(ids)
+        torch.testing.assert_close(more, model(ids, want_mem)[0], rtol=1e-10, atol=1e-10)
+        loss = lambda logits: logits.logsumexp(-1).mean() + model.aux_loss()  # noqa: E731
+        loss(compiled(ids, mem)[0]).backward()
+        got_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        loss(model(ids, want_mem)[0]).backward()
+        for (n, p), g in zip(model.named_parameters(), got_grads):
+            torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12, msg=n)
+        model.zero_grad()

@@ -70,8 +70,10 @@ class TransformerLM(nn.Module):
         """
         cfg = self.config
         check_batch(input_ids)
-        # The range check is a host sync on a GPU: not paid per training step there (inference pays it).
-        check_ids(input_ids, cfg.vocab_size, values=input_ids.device.type == "cpu" or not self.training)
+        # The range check is a host sync on a GPU: not paid per training step there (inference pays it). Under
+        # torch.compile it would be a data-dependent branch, i.e. a graph break, so compiled code skips it.
+        values = (input_ids.device.type == "cpu" or not self.training) and not torch.compiler.is_compiling()
+        check_ids(input_ids, cfg.vocab_size, values=values)
         if memory is not None and cfg.mem_chunks == 0:
             memory = None
         if memory is not None:
