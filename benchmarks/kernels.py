@@ -6,6 +6,7 @@
     python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
     python benchmarks/kernels.py --n 256 4096 --regimes grouped --against REV   # beside the code at git REV
     python benchmarks/kernels.py --n 256 4096 --anatomy   # where the grouped forward's time goes
+    python benchmarks/kernels.py --n 4096 16384 --regimes dense combo --device cuda --dtype bfloat16   # vs Triton
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -178,20 +179,25 @@ def _fwd_bwd_table(
     repeats: int,
     dtype: torch.dtype = torch.float32,
     auto: bool = False,
+    device: str = "cpu",
+    timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]] | None = None,
+    cases: list[Case] = CASES,
 ) -> list[str]:
-    """Forward and backward (all gradients) of each variant, called directly with a regime's signature,
-    interleaved; one row per shape and N. `auto`: a last column with the regimes `choose_regime` picks."""
+    """Forward and backward (all gradients) of each variant, called directly with a regime's signature; one row
+    per shape and N. `timer` maps the calls to ms (default: best of `repeats` interleaved wall times). `auto`: a
+    last column with the regimes `choose_regime` picks (on the CPU)."""
+    timer = timer or (lambda fns: interleaved_min_ms(fns, repeats))
     columns = [f"{v} fwd | {v} bwd" for v in variants] + (["auto fwd / bwd"] if auto else [])
     lines = _table("| case | N | " + " | ".join(columns) + " |")
-    for case in CASES:
+    for case in cases:
         for n in ns:
-            x, w, index, gate = make_inputs(case, n, dtype, "cpu")
-            grad = torch.randn(n, case.n_out, case.d_out).to(dtype)
+            x, w, index, gate = make_inputs(case, n, dtype, device)
+            grad = torch.randn(n, case.n_out, case.d_out).to(device, dtype)
             fns = {}
             for v, (fwd, bwd) in variants.items():
                 fns[f"{v} fwd"] = _call(fwd, x, w, index, gate, case.n_out)
                 fns[f"{v} bwd"] = _call(bwd, grad, x, w, index, gate, True)
-            t = interleaved_min_ms(fns, repeats)
+            t = timer(fns)
             cells = " | ".join(f"{t[f'{v} fwd']:.3f} | {t[f'{v} bwd']:.3f}" for v in variants)
             if auto:
                 cells += " | {} / {}".format(*_auto_regimes(case, n, dtype))
@@ -217,17 +223,37 @@ def _paths_at(rev: str) -> ModuleType:
 
 
 def regime_table(
-    ns: list[int], regimes: list[str], repeats: int, against: str | None = None, dtype: torch.dtype = torch.float32
+    ns: list[int],
+    regimes: list[str],
+    repeats: int,
+    against: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]] | None = None,
+    cases: list[Case] = CASES,
+    triton: bool = False,
 ) -> list[str]:
-    """Each named regime, and with `against` the same regime as of that git revision beside it."""
+    """Each named regime, and with `against` the same regime as of that git revision beside it. `triton`: the
+    Triton kernels first (the forward and backward the CUDA backend runs) and no auto column (that is the CPU's
+    choice)."""
     sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
     variants = {}
+    if triton:
+        from switchhead.kernels import triton_kernels
+
+        tk = triton_kernels.load()
+        variants["triton"] = (tk.forward, tk.backward)
     for r in regimes:
         for suffix, paths in sources:
             if r not in paths.FORWARD:
                 sys.exit(f"regime {r!r} does not exist at {against}")
             variants[r + suffix] = (paths.FORWARD[r], paths.BACKWARD[r])
-    return _fwd_bwd_table(ns, variants, repeats, dtype, auto=True)
+    return _fwd_bwd_table(ns, variants, repeats, dtype, device == "cpu" and not triton, device, timer, cases)
+
+
+def gpu_times(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """GPU time in ms of each call (kernel_times: every kernel it launches, mean of 20 calls)."""
+    return {name: kernel_ms(fn) for name, fn in fns.items()}
 
 
 def _with_block_elements(fn: Callable, size: int) -> Callable:
@@ -402,7 +428,13 @@ def main() -> None:
     parser.add_argument("--regimes", nargs="*", choices=list(torch_paths.FORWARD), help="only time these regimes")
     parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="op table and --regimes dtype"
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="op table and --regimes dtype"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="--regimes on this device; cuda: beside the Triton kernels, in GPU time (mean of 20 calls)",
     )
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -414,6 +446,18 @@ def main() -> None:
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
+    if args.device == "cuda" and not (args.regimes and torch.cuda.is_available()):
+        parser.error("--device cuda needs --regimes and a CUDA device")
+    if args.regimes and args.device == "cuda":
+        from triton.testing import do_bench
+
+        dtype = getattr(torch, args.dtype)
+        wall_times = lambda fns: {name: do_bench(fn) for name, fn in fns.items()}  # noqa: E731
+        for what, timer in (("GPU time", gpu_times), ("wall time", wall_times)):
+            print(f"\n## GPU ({torch.cuda.get_device_name()}): regimes beside the Triton kernels, forward and "
+                  f"backward ({args.dtype}, {what}, ms)\n")  # fmt: skip
+            regime_table(args.n, args.regimes, 0, args.against, dtype, "cuda", timer, triton=True)
+        return
     if args.regimes:
         print(f"\n## CPU regimes, forward and backward ({args.dtype}, best of the interleaved repeats, ms)\n")
         regime_table(args.n, args.regimes, 5 if args.quick else 15, args.against, getattr(torch, args.dtype))

@@ -484,14 +484,11 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
                 assert build.atomics == (), (launch.kernel, config, build)
 
 
-def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
-    """benchmarks/kernels.py's GPU table, run on the CPU (Triton interpreter, tiny cases, one timed call per
-    cell): its code keeps working where no GPU is, so that it runs unchanged when one is there."""
+def _benchmark_module():
+    """benchmarks/kernels.py, imported from its file (benchmarks/ is not a package)."""
     import importlib.util
-    import time
     from pathlib import Path
 
-    backend("triton")
     path = Path(__file__).parents[1] / "benchmarks" / "kernels.py"
     spec = importlib.util.spec_from_file_location("benchmark_kernels", path)
     bench_module = importlib.util.module_from_spec(spec)
@@ -500,12 +497,26 @@ def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
         spec.loader.exec_module(bench_module)
     finally:
         del sys.modules[spec.name]
+    return bench_module
 
-    def once(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
 
+def _time_once(fn) -> float | dict[str, float]:
+    """ms of one call of `fn`, or of each call in a dict of them (the two timer signatures of the benchmark)."""
+    import time
+
+    if isinstance(fn, dict):
+        return {name: _time_once(f) for name, f in fn.items()}
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
+    """benchmarks/kernels.py's GPU table, run on the CPU (Triton interpreter, tiny cases, one timed call per
+    cell): its code keeps working where no GPU is, so that it runs unchanged when one is there."""
+    backend("triton")
+    bench_module = _benchmark_module()
+    once = _time_once
     Case = bench_module.Case
     cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
     lines = bench_module.gpu_table([1, 9], device=DEVICE, cases=cases, bench=once, gpu_time=once)  # N = 9: tiled
@@ -518,6 +529,21 @@ def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
         assert len(r) == 15, r
         for first in (3, 6, 9, 12):  # op ms, cuBLAS ms, % for GPU/wall x fwd/bwd
             assert float(r[first]) > 0 and float(r[first + 1]) > 0 and r[first + 2].strip().endswith("%"), r
+
+
+def test_gpu_regime_table_runs_under_the_interpreter(backend):
+    """`benchmarks/kernels.py --regimes ... --device cuda` (the PyTorch regimes beside the Triton kernels), run on
+    the CPU through the interpreter with tiny cases and one timed call per cell."""
+    backend("triton")
+    bench_module = _benchmark_module()
+    Case = bench_module.Case
+    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    regimes = ["dense", "grouped", "combo"]
+    lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, _time_once, cases, triton=True)
+    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in ["triton", *regimes]]  # no CPU auto column
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]
+    assert all(len(r) == 2 + 2 * 4 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
 
 
 @contextmanager
