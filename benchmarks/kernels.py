@@ -248,12 +248,12 @@ def regime_table(
             if r not in paths.FORWARD:
                 sys.exit(f"regime {r!r} does not exist at {against}")
             variants[r + suffix] = (paths.FORWARD[r], paths.BACKWARD[r])
-    return _fwd_bwd_table(ns, variants, repeats, dtype, device == "cpu" and not triton, device, timer, cases)
+    return _fwd_bwd_table(ns, variants, repeats, dtype, not triton, device, timer, cases)
 
 
-def gpu_times(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """GPU time in ms of each call (kernel_times: every kernel it launches, mean of 20 calls)."""
-    return {name: kernel_ms(fn) for name, fn in fns.items()}
+def each_call(timer: Callable[[Callable], float]) -> Callable[[dict[str, Callable[[], object]]], dict[str, float]]:
+    """A table timer that times every call on its own with `timer` (ms per call), not interleaved."""
+    return lambda fns: {name: timer(fn) for name, fn in fns.items()}
 
 
 def _with_block_elements(fn: Callable, size: int) -> Callable:
@@ -434,7 +434,7 @@ def main() -> None:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="--regimes on this device; cuda: beside the Triton kernels, in GPU time (mean of 20 calls)",
+        help="--regimes on this device; cuda: beside the Triton kernels, in GPU time and in wall time",
     )
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -452,11 +452,10 @@ def main() -> None:
         from triton.testing import do_bench
 
         dtype = getattr(torch, args.dtype)
-        wall_times = lambda fns: {name: do_bench(fn) for name, fn in fns.items()}  # noqa: E731
-        for what, timer in (("GPU time", gpu_times), ("wall time", wall_times)):
+        for what, timer in (("GPU time", kernel_ms), ("wall time", do_bench)):
             print(f"\n## GPU ({torch.cuda.get_device_name()}): regimes beside the Triton kernels, forward and "
                   f"backward ({args.dtype}, {what}, ms)\n")  # fmt: skip
-            regime_table(args.n, args.regimes, 0, args.against, dtype, "cuda", timer, triton=True)
+            regime_table(args.n, args.regimes, 0, args.against, dtype, "cuda", each_call(timer), triton=True)
         return
     if args.regimes:
         print(f"\n## CPU regimes, forward and backward ({args.dtype}, best of the interleaved repeats, ms)\n")

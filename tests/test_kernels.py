@@ -500,12 +500,10 @@ def _benchmark_module():
     return bench_module
 
 
-def _time_once(fn) -> float | dict[str, float]:
-    """ms of one call of `fn`, or of each call in a dict of them (the two timer signatures of the benchmark)."""
+def _time_once(fn) -> float:
+    """ms of one call of `fn`."""
     import time
 
-    if isinstance(fn, dict):
-        return {name: _time_once(f) for name, f in fn.items()}
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
@@ -539,7 +537,8 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     Case = bench_module.Case
     cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
     regimes = ["dense", "grouped", "combo"]
-    lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, _time_once, cases, triton=True)
+    timer = bench_module.each_call(_time_once)
+    lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)
     assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in ["triton", *regimes]]  # no CPU auto column
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]

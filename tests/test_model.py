@@ -251,15 +251,15 @@ def test_model_compiles_without_graph_breaks_and_matches(name):
     torch.manual_seed(4)
     model = TransformerLM(cfg).double()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = lambda logits: logits.logsumexp(-1).mean() + model.aux_loss()  # noqa: E731
     for t in (12, 3):  # several chunks with a partial last one, then a new length (a second graph)
         ids = torch.randint(0, 41, (2, t))
         got, mem = compiled(ids)
         more, _ = compiled(ids, mem)
         for b in range(2):
             torch.testing.assert_close(got[b], naive.lm_forward(model, ids[b]), rtol=1e-8, atol=1e-8)
-        want, want_mem = model(ids)
+        _, want_mem = model(ids)
         torch.testing.assert_close(more, model(ids, want_mem)[0], rtol=1e-10, atol=1e-10)
-        loss = lambda logits: logits.logsumexp(-1).mean() + model.aux_loss()  # noqa: E731
         loss(compiled(ids, mem)[0]).backward()
         got_grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
