@@ -119,6 +119,9 @@ def info(config_spec, ckpt, as_json):
 @click.option("--steps", type=int, default=100_000, show_default=True, help="Total optimizer steps.")
 @click.option("--batch-size", type=int, default=64, show_default=True,
               help="Global batch: number of contiguous token lanes (split across processes).")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="Run each process's lanes in this many pieces per step, one after another, summing their "
+                   "gradients: the same step with less activation memory (must divide the lanes per process).")
 @click.option("--lr", type=float, default=2.5e-4, show_default=True, help="Peak learning rate (AdamW, wd 0).")
 @click.option("--warmup", type=int, default=0, show_default=True,
               help="Linear warm-up steps before the cosine decay.")
@@ -150,7 +153,7 @@ def train(ctx, **params):
     Writes into --out:
       final/          the finished model checkpoint (load with switchhead.load or --ckpt OUT/final)
       checkpoint/     the latest training state (also a loadable checkpoint); --resume continues from it
-      metrics.jsonl   loss, lr, tokens/s per log step; val_loss/val_ppl per evaluation
+      metrics.jsonl   loss, gradient norm, lr, tokens/s per log step; val_loss/val_ppl per evaluation
       run.json, tokenizer.model
     SIGINT/SIGTERM save a checkpoint and stop. Several processes/GPUs:
     torchrun --nproc_per_node N -m switchhead.train ARGS

@@ -161,6 +161,9 @@ def test_bad_options(corpus, tmp_path):
         _tiny(tmp_path / "o", corpus, tmp_path, "--tokenizer", tmp_path / "none.model"), "tokenizer model not found"
     )
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--dtype", "float16"), "float16 needs a CUDA")
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--grad-accum", 0), "--grad-accum must be a positive")
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--grad-accum", 3),
+                       "--grad-accum 3 must divide the 2 lanes each process runs (--batch-size 2 / 1 process)")
     assert not (tmp_path / "o").exists()
 
 
@@ -336,10 +339,18 @@ def test_out_of_memory_stops_in_one_line_and_keeps_the_checkpoint(corpus, tmp_pa
     chunk = switchhead.PRESETS["tiny-switchhead"].chunk_len
     r = _tiny(out, corpus, tmp_path, "--steps", 6, "--save-every", 2)
     _assert_user_error(r, f"out of memory on cpu in step 3 (2 lanes x {chunk} tokens); stopped ({out / 'checkpoint'} "
-                          "still holds step 2); use a smaller --batch-size")
+                          "still holds step 2); use a larger --grad-accum (dividing 2) or a smaller --batch-size")
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
     switchhead.load(out / "checkpoint")
     assert not (out / "final").exists()
+
+
+def test_out_of_memory_in_pieces_of_one_lane(corpus, tmp_path, monkeypatch):
+    _fail_nth_loss(monkeypatch, 3, MemoryError())  # step 2, first piece
+    chunk = switchhead.PRESETS["tiny-switchhead"].chunk_len
+    r = _tiny(tmp_path / "run", corpus, tmp_path, "--grad-accum", 2)
+    _assert_user_error(r, f"out of memory on cpu in step 2 (2 lanes x {chunk} tokens, in 2 pieces); stopped (no "
+                          "checkpoint was written); use a smaller --batch-size")
 
 
 def test_out_of_memory_in_evaluation_names_the_eval_batch(corpus, tmp_path, monkeypatch):

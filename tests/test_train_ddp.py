@@ -18,10 +18,12 @@ REPO = Path(switchhead.__file__).resolve().parents[1]
 
 def _losses(out):
     lines = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [(m["step"], m["loss"]) for m in lines if "loss" in m]
+    return [(m["step"], m["loss"], m["grad_norm"]) for m in lines if "loss" in m]
 
 
-def test_ddp_two_processes_match_single_process(tmp_path):
+# With --grad-accum 2 each rank runs its two lanes one at a time and DDP synchronises only the second backward.
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_ddp_two_processes_match_single_process(tmp_path, grad_accum):
     data = tmp_path / "a.txt"
     data.write_text(
         "\n".join(f"line {i} of the corpus says {i * 7 % 13} birds flew over {i % 5} hills" for i in range(400))
@@ -49,6 +51,8 @@ def test_ddp_two_processes_match_single_process(tmp_path):
         "--device",
         "cpu",
         "--no-progress",
+        "--grad-accum",
+        str(grad_accum),
         *[x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", str(v))],
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -60,7 +64,7 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     assert len(sums) == 2 and sums[0] == sums[1]  # identical weights on both ranks after the last step
     # Rank 0 alone writes: one metrics line per step, and only the expected files.
     ddp_losses = _losses(ddp_out)
-    assert [s for s, _ in ddp_losses] == list(range(1, 13))
+    assert [s for s, _, _ in ddp_losses] == list(range(1, 13))
     assert sorted(p.name for p in ddp_out.iterdir()) == [
         "checkpoint",
         "final",
@@ -86,8 +90,9 @@ def test_ddp_two_processes_match_single_process(tmp_path):
         )
     finally:
         torch.set_num_threads(old)
-    for (s, a), (_, b) in zip(ddp_losses, _losses(single)):
+    for (s, a, norm_a), (_, b, norm_b) in zip(ddp_losses, _losses(single)):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5), s
+        assert norm_a == pytest.approx(norm_b, rel=1e-4), s
     m_ddp, _ = switchhead.load(ddp_out / "final")
     m_one, _ = switchhead.load(single / "final")
     for (k, x), y in zip(m_ddp.state_dict().items(), m_one.state_dict().values()):

@@ -1,6 +1,6 @@
-"""The training loop: tokenizer, token streams, AdamW + cosine schedule, XL memory across steps, mixed
-precision, periodic evaluation, atomic checkpoints, exact resume, and DDP under torchrun. What it writes into
-``--out`` and reads back on ``--resume`` is in `switchhead.train.rundir`.
+"""The training loop: tokenizer, token streams, AdamW + cosine schedule, XL memory across steps, gradient
+accumulation, mixed precision, periodic evaluation, atomic checkpoints, exact resume, and DDP under torchrun. What
+it writes into ``--out`` and reads back on ``--resume`` is in `switchhead.train.rundir`.
 """
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ class TrainOptions:
     vocab_size: int = 8000
     steps: int = 100_000
     batch_size: int = 64
+    grad_accum: int = 1  # pieces each process's lanes are run in per step, gradients summed (less memory)
     lr: float = 2.5e-4
     warmup: int = 0
     grad_clip: float | None = None  # None: the model config's grad_clip
@@ -280,7 +281,7 @@ def train(opts: TrainOptions) -> TrainResult:
 
 
 def _validate(opts: TrainOptions) -> None:
-    for name in ("steps", "batch_size", "eval_every", "save_every", "log_every"):
+    for name in ("steps", "batch_size", "grad_accum", "eval_every", "save_every", "log_every"):
         v = getattr(opts, name)
         if not is_int(v) or v < 1:
             raise SwitchheadError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -362,6 +363,12 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     _barrier()
     stream = load_stream(sp, data_files, cache_dir, unwrap=opts.unwrap)
     per_rank = opts.batch_size // world
+    if per_rank % opts.grad_accum:
+        raise SwitchheadError(
+            f"--grad-accum {opts.grad_accum} must divide the {per_rank} lanes each process runs "
+            f"(--batch-size {opts.batch_size} / {world} process{'es' if world > 1 else ''})"
+        )
+    micro = per_rank // opts.grad_accum
     my_lanes = tuple(range(rank * per_rank, (rank + 1) * per_rank))
     batcher = LaneBatcher(stream, opts.batch_size, config.chunk_len, lanes=my_lanes)
     eval_stream = load_stream(sp, eval_files, cache_dir, unwrap=opts.unwrap) if eval_files else None
@@ -451,13 +458,40 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     def out_of_memory_at(at: int, evaluating: bool) -> SwitchheadError:
         # check_fits counts weights, gradients and optimizer state up front; activations grow with the batch
         # and are only known once a step runs.
-        smaller = "--eval-batch-size" if evaluating else "--batch-size"
-        batch = (opts.eval_batch_size or opts.batch_size) if evaluating else opts.batch_size
+        if evaluating:
+            shape, advice = f"{opts.eval_batch_size or opts.batch_size} lanes", "a smaller --eval-batch-size"
+        else:
+            shape, advice = f"{opts.batch_size} lanes", "a smaller --batch-size"
+            if micro > 1:  # the same optimisation step in smaller pieces
+                advice = f"a larger --grad-accum (dividing {per_rank}) or {advice}"
+        pieces = f", in {opts.grad_accum} pieces" if opts.grad_accum > 1 and not evaluating else ""
         return SwitchheadError(
             f"out of memory on {device} in {'the evaluation after ' if evaluating else ''}step {at} "
-            f"({batch} lanes x {config.chunk_len} tokens); stopped ({kept()}); use a smaller {smaller}"
+            f"({shape} x {config.chunk_len} tokens{pieces}); stopped ({kept()}); use {advice}"
             + ("" if device.type == "cpu" or amp_dtype != torch.float32 else " or --dtype bfloat16")
         )
+
+    def accumulate_gradients(x: torch.Tensor, y: torch.Tensor, prev: torch.Tensor | None):
+        """Forward and backward of this process's lanes in --grad-accum pieces of `micro` lanes, each piece with
+        its lanes' memory: the gradient of the mean loss over all lanes (sigma-MoE entropy regularisers see one
+        piece's batch, as they see one process's under DDP). Returns the mean LM loss (left on the device) and
+        the lanes' new memory."""
+        pieces, new_memory = [], []
+        for i in range(opts.grad_accum):
+            lanes = slice(i * micro, (i + 1) * micro)
+            # DDP all-reduces the gradients in the last piece's backward only.
+            last = i == opts.grad_accum - 1
+            with contextlib.nullcontext() if last or not _dist_on() else train_model.no_sync():
+                with _autocast(device, amp_dtype):
+                    logits, piece_memory = train_model(x[lanes], None if prev is None else prev[:, lanes])
+                    lm_loss = F.cross_entropy(logits.float().flatten(0, 1), y[lanes].flatten())
+                    loss = lm_loss + model.aux_loss().float()
+                scaler.scale(loss if opts.grad_accum == 1 else loss / opts.grad_accum).backward()
+            pieces.append(lm_loss.detach())
+            new_memory.append(piece_memory)
+        if opts.grad_accum == 1:
+            return pieces[0], new_memory[0]
+        return torch.stack(pieces).mean(), None if new_memory[0] is None else torch.cat(new_memory, 1)
 
     def log(record: dict) -> None:
         if metrics is not None:
@@ -501,7 +535,9 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     try:
         with _StopFlag() as stop:
             model.train()
-            losses: list[torch.Tensor] = []  # this log interval's, left on the device: no sync per step
+            # This log interval's losses and gradient norms, left on the device: no sync per step.
+            losses: list[torch.Tensor] = []
+            norms: list[torch.Tensor] = []
             t_last = time.perf_counter()
             for step in range(start_step, opts.steps):
                 if batcher.position(step)[1] == 0:
@@ -512,18 +548,16 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                 lr = lr_at(step, opts.lr, opts.steps, opts.warmup)
                 for group in opt.param_groups:
                     group["lr"] = lr
-                with _autocast(device, amp_dtype):
-                    logits, memory = train_model(x, memory)
-                    lm_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                    loss = lm_loss + model.aux_loss().float()
                 opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
+                lm_loss, memory = accumulate_gradients(x, y, memory)
+                scaler.unscale_(opt)  # (a no-op without a grad scaler) the norm is that of the true gradients
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
                 if clip > 0:
-                    scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, grad_norm)
                 scaler.step(opt)
                 scaler.update()
-                losses.append(lm_loss.detach())
+                losses.append(lm_loss)
+                norms.append(grad_norm)
                 done = step + 1
 
                 if done % opts.log_every == 0 or done == opts.steps:
@@ -537,6 +571,9 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     if bad is not None:
                         raise diverged(first + bad + 1, f"the training loss is {values[bad]}")
                     last_loss = sum(values) / len(values)
+                    # Before clipping, after DDP's all-reduce (the same on every rank); an fp16 step the grad
+                    # scaler skipped for overflow has none.
+                    finite = [v for v in torch.stack(norms).tolist() if math.isfinite(v)]
                     now = time.perf_counter()
                     tps = len(values) * tokens_per_step / max(now - t_last, 1e-9)
                     log(
@@ -544,6 +581,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                             "step": done,
                             "loss": last_loss,
                             "lr": lr,
+                            "grad_norm": sum(finite) / len(finite) if finite else None,
                             "tokens": done * tokens_per_step,
                             "tokens_per_s": round(tps, 1),
                             "time": time.time(),
@@ -552,7 +590,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     bar.set_postfix(
                         loss=f"{last_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}", refresh=False
                     )
-                    losses, t_last = [], now
+                    losses, norms, t_last = [], [], now
                 bar.update(1)
 
                 if eval_stream is not None and (done % opts.eval_every == 0 or done == opts.steps):

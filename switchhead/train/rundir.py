@@ -61,6 +61,7 @@ def run_spec(opts: TrainOptions, config: ModelConfig, tok_fp: str, data: list[Pa
 _RESUMABLE = (
     "steps",
     "batch_size",
+    "grad_accum",
     "lr",
     "warmup",
     "grad_clip",
