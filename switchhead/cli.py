@@ -205,7 +205,12 @@ def train(ctx, **params):
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1].")
 @click.option("--min-p", type=float, default=0.0, show_default=True,
               help="Drop tokens below min-p times the top probability, in [0, 1].")
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 0; 1 = off.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide the logits of tokens in the prompt or the text so far (> 0; 1 = off).")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="Subtract from the logit of every token generated so far, in [-2, 2] (OpenAI's).")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="Subtract this times its count so far from each generated token's logit, in [-2, 2].")
 @click.option("--seed", type=int, help="Same seed, same text (default: random); 0 to 2**64-1. Line i of a prompts "
               "file uses seed + i.")
 @click.option("--stop", multiple=True,
@@ -217,8 +222,8 @@ def train(ctx, **params):
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often faster "
               "for small models or on a busy machine).")
-def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-             stop, prompts_file, batch_size, as_json, device, threads):
+def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+             presence_penalty, frequency_penalty, seed, stop, prompts_file, batch_size, as_json, device, threads):
     """Continue PROMPT (or stdin) with a trained model, streaming the text."""
     from switchhead.runtime.commands import run_generate
     from switchhead.runtime.sampling import SamplingParams
@@ -230,7 +235,8 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
 
         torch.set_num_threads(threads)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop)
+                            min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, seed=seed, stop=stop)
 
     def write(text: str) -> None:
         click.echo(text, nl=False)

@@ -3,6 +3,7 @@
 import json
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,39 @@ def test_greedy_is_deterministic_and_matches_forward(gen, model, sp):
     assert a.text == sp.decode(ids[1:])[len(sp.decode(ids[1:n])):]
 
 
+def test_greedy_with_bias_and_penalties_matches_a_naive_loop(gen, model, sp):
+    # The bias and the three penalties against plain Python over the full forward of everything so far: the
+    # repetition penalty sees prompt and generated tokens, presence and frequency only generated ones.
+    prompt = sp.encode("the lazy dogs")
+    bias = {sp.encode("birds")[-1]: 4.0, prompt[0]: -1.0}
+    p = SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.3, presence_penalty=1.5,
+                       frequency_penalty=1.0, logit_bias=bias)
+    (a,) = gen.generate_ids([prompt], p)
+    ids, counts, want = [sp.eos_id()] + prompt, {}, []
+    for _ in range(12):
+        with torch.no_grad():
+            row = model(torch.tensor([ids]))[0][0, -1].double().tolist()
+        scores = []
+        for tok, v in enumerate(row):
+            if gen.banned is not None and gen.banned[tok]:
+                v = float("-inf")
+            v += bias.get(tok, 0.0)
+            if tok in prompt or tok in counts:
+                v = v / 1.3 if v > 0 else v * 1.3
+            scores.append(v - 1.0 * counts.get(tok, 0) - (1.5 if tok in counts else 0.0))
+        tok = max(range(len(scores)), key=scores.__getitem__)
+        if tok == sp.eos_id():
+            break
+        want.append(tok)
+        ids.append(tok)
+        counts[tok] = counts.get(tok, 0) + 1
+    assert a.tokens == want
+    # Each of the four changes what this greedy run generates, so the comparison above covers each.
+    for off in (dict(logit_bias=None), dict(repetition_penalty=1.0), dict(presence_penalty=0.0),
+                dict(frequency_penalty=0.0)):
+        assert gen.generate_ids([prompt], replace(p, **off))[0].tokens != a.tokens, off
+
+
 def test_seed_reproduces_and_changes_text(gen):
     p = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=7)
     assert gen.generate(["birds"], p)[0].text == gen.generate(["birds"], p)[0].text
@@ -107,7 +141,7 @@ def test_batched_rows_equal_each_row_alone(gen):
     """Different lengths (one far beyond T=16, through memory), sampling with every filter on."""
     prompts = ["the", "lazy dogs sing", " ".join(WORDS * 4)]
     p = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
-                       max_new_tokens=10)
+                       presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 1.0}, max_new_tokens=10)
     seeds = [11, 12, 13]
     together = gen.generate(prompts, p, seeds=seeds)
     for prompt, seed, r in zip(prompts, seeds, together):
@@ -187,6 +221,11 @@ def test_cli_streams_greedy_text(ckpt, gen):
     assert r.stdout == want + "\n"
     r = _run(["--ckpt", ckpt, "--temperature", "0", "--max-new-tokens", "8"], input="the fox\n")
     assert r.exit_code == 0 and r.stdout == want + "\n"
+    p = SamplingParams(temperature=0, max_new_tokens=8, presence_penalty=-2.0, frequency_penalty=-2.0)
+    penalised = gen.generate(["the fox"], p)[0].text  # negative: repeats its first two tokens
+    r = _run(["the fox", "--ckpt", ckpt, "--temperature", "0", "--max-new-tokens", "8", "--presence-penalty", "-2",
+              "--frequency-penalty", "-2"])
+    assert r.exit_code == 0 and r.stdout == penalised + "\n" and penalised != want
 
 
 def test_cli_json_and_long_prompt(ckpt):
@@ -242,6 +281,8 @@ def _bad_ckpts(tmp_path, model):
     (["hi", "--ckpt", "CKPT", "--top-k", "-2"], "top-k"),
     (["hi", "--ckpt", "CKPT", "--min-p", "2"], "min-p"),
     (["hi", "--ckpt", "CKPT", "--repetition-penalty", "0"], "repetition-penalty"),
+    (["hi", "--ckpt", "CKPT", "--presence-penalty", "2.5"], "presence-penalty must be in [-2, 2], got 2.5"),
+    (["hi", "--ckpt", "CKPT", "--frequency-penalty", "nan"], "frequency-penalty must be in [-2, 2], got nan"),
     (["hi", "--ckpt", "CKPT", "--max-new-tokens", "0"], "max-new-tokens"),
     (["hi", "--ckpt", "CKPT", "--prompts-file", "nonexistent.txt"], "prompts"),
     (["hi", "--ckpt", "CKPT", "--seed", str(2**64)], "seed"),

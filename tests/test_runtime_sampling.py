@@ -9,9 +9,11 @@ import torch
 from switchhead.errors import SwitchheadError
 from switchhead.runtime.sampling import (
     SamplingParams,
+    TokenHistory,
     choose,
     draw,
     min_p_filter,
+    presence_frequency_penalty,
     processed_logits,
     repetition_penalty,
     seed_plus,
@@ -93,6 +95,67 @@ def test_repetition_penalty_reference():
     assert torch.equal(repetition_penalty(x, seen, 1.0), x)
 
 
+def test_presence_frequency_penalty_reference():
+    x = _rows()
+    x[1, 4] = NEG  # a banned token stays banned
+    counts = torch.randint(0, 4, x.shape, generator=torch.Generator().manual_seed(2))
+    for presence, frequency in [(0.5, 0.0), (0.0, 1.5), (-2.0, 0.7), (1.0, -0.3)]:
+        got = presence_frequency_penalty(x.double(), counts, presence, frequency).tolist()
+        for row, crow, grow in zip(x.tolist(), counts.tolist(), got):
+            for v, c, g in zip(row, crow, grow):
+                want = v - frequency * c - (presence if c > 0 else 0.0)
+                assert g == want or g == pytest.approx(want, rel=1e-12)
+    assert torch.equal(presence_frequency_penalty(x, counts, 0.0, 0.0), x)
+
+
+def test_token_history_counts_generated_tokens_and_sees_the_prompt():
+    p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: -1.0, 0: 2})
+    h = TokenHistory(p, 6, [[1, 1, 2], []])
+    for b, tok in [(0, 4), (0, 4), (1, 1), (0, 2)]:
+        h.add(b, tok)
+    assert h.seen.tolist() == [[False, True, True, False, True, False], [False, True, False, False, False, False]]
+    assert h.counts.tolist() == [[0, 0, 1, 0, 2, 0], [0, 1, 0, 0, 0, 0]]  # the prompt is not counted
+    x = torch.tensor([[1.0, 2.0, -1.0, 0.5, 3.0, NEG], [0.0, -2.0, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    want = []
+    for row, seen, counts in zip(x.tolist(), h.seen.tolist(), h.counts.tolist()):
+        out = []
+        for tok, (v, sn, c) in enumerate(zip(row, seen, counts)):
+            v += {3: -1.0, 0: 2.0}.get(tok, 0.0)
+            if sn:
+                v = v / 1.5 if v > 0 else v * 1.5
+            out.append(v - 0.25 * c - (0.5 if c else 0.0))
+        want.append(out)
+    assert h.adjust(x).tolist() == want
+    assert processed_logits(x, p, h).tolist() == want  # temperature 1, no filters
+    assert not TokenHistory(SamplingParams(), 6, [[1]]).active
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_user_error():
+    with pytest.raises(SwitchheadError, match=r"logit-bias names token 6, outside the vocabulary \(ids 0..5\)"):
+        TokenHistory(SamplingParams(logit_bias={2: 1.0, 6: 1.0}), 6, [[]])
+
+
+def test_logit_bias_steers_greedy_choice_but_never_unbans():
+    x = torch.tensor([[NEG, 1.0, 2.0, 3.0]])
+
+    def choice(bias):
+        p = SamplingParams(temperature=0, logit_bias=bias)
+        return choose(x, p, TokenHistory(p, 4, [[]]), None).item()
+
+    assert choice(None) == 3 and choice({1: 2.5}) == 1 and choice({3: -100}) == 2 and choice({0: 100}) == 3
+
+
+def test_frequency_penalty_changes_greedy_choice_as_tokens_repeat():
+    x = torch.tensor([[2.0, 1.0, 0.0]])
+    p = SamplingParams(temperature=0, frequency_penalty=0.6)
+    h = TokenHistory(p, 3, [[0, 0, 0]])  # the prompt does not count
+    picks = []
+    for _ in range(4):
+        picks.append(choose(x, p, h, None).item())
+        h.add(0, picks[-1])
+    assert picks == [0, 0, 1, 0]  # 2.0, then 1.4 > 1.0, then 0.8 < 1.0, then 0.8 vs 0.4
+
+
 def test_draw_reference():
     rng = random.Random(0)
     probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0]] * 50)
@@ -120,11 +183,19 @@ def test_draw_frequencies_follow_probabilities():
 
 def test_processed_logits_composes_in_order():
     x = _rows()
-    seen = torch.zeros_like(x, dtype=torch.bool)
-    seen[:, :4] = True
-    p = SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05, repetition_penalty=1.2)
-    want = min_p_filter(top_p_filter(top_k_filter(repetition_penalty(x.double(), seen, 1.2) / 0.7, 8), 0.8), 0.05)
-    assert torch.equal(processed_logits(x, p, seen), want)
+    p = SamplingParams(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05, repetition_penalty=1.2,
+                       presence_penalty=0.4, frequency_penalty=0.3, logit_bias={5: 1.5, 9: -2})
+    history = TokenHistory(p, x.shape[1], [[0, 1, 2, 3]] * x.shape[0])
+    for tok in (7, 7, 8):
+        history.add(2, tok)
+    bias = torch.zeros(x.shape[1], dtype=torch.float64)
+    bias[5], bias[9] = 1.5, -2.0
+    seen = history.seen
+    counts = torch.zeros(x.shape, dtype=torch.int64)
+    counts[2, 7], counts[2, 8] = 2, 1
+    x64 = presence_frequency_penalty(repetition_penalty(x.double() + bias, seen, 1.2), counts, 0.4, 0.3)
+    want = min_p_filter(top_p_filter(top_k_filter(x64 / 0.7, 8), 0.8), 0.05)
+    assert torch.equal(processed_logits(x, p, history), want)
 
 
 @pytest.mark.parametrize("params,allowed", [
@@ -137,9 +208,9 @@ def test_processed_logits_composes_in_order():
 def test_extreme_accepted_values_never_sample_a_banned_token(params, allowed):
     # Token 0 is banned (-inf, as the engine masks UNK); a NaN row used to make the draw fall through to it.
     logits = torch.tensor([[float("-inf"), 1.0, 2.0, 3.0]]).expand(64, -1)
-    seen = torch.tensor([[False, False, True, False]]).expand(64, -1)
+    history = TokenHistory(params, 4, [[2]] * 64)
     gens = [torch.Generator().manual_seed(i) for i in range(64)]
-    got = set(choose(logits, params, seen, gens).tolist())
+    got = set(choose(logits, params, history, gens).tolist())
     assert got <= allowed and (len(got) > 1 or got == allowed)
 
 
@@ -161,13 +232,16 @@ def test_greedy_and_seeded_choice():
 
 def test_repetition_penalty_changes_greedy_choice():
     x = torch.tensor([[2.0, 1.9, -1.0]])
-    seen = torch.tensor([[True, False, False]])
-    assert choose(x, SamplingParams(temperature=0, repetition_penalty=1.5), seen, None).item() == 1
+    p = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert choose(x, p, TokenHistory(p, 3, [[0]]), None).item() == 1
 
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -1), ("min_p", -0.1), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("max_new_tokens", 0), ("temperature", float("nan")),
+    ("presence_penalty", 2.5), ("presence_penalty", float("inf")), ("frequency_penalty", -2.01),
+    ("frequency_penalty", "1"), ("logit_bias", {1: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
+    ("logit_bias", {True: 1.0}), ("logit_bias", {1: float("nan")}), ("logit_bias", [1, 2]),
 ])
 def test_bad_parameters_are_user_errors(field, value):
     with pytest.raises(SwitchheadError, match=field.replace("_", "-")):

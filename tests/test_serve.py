@@ -123,11 +123,16 @@ def test_greedy_completion_equals_engine(client, ref):
 
 
 def test_seeded_sampling_equals_engine_and_seed_matters(client, ref):
-    kw = dict(temperature=0.9, top_p=0.9, seed=5)
+    kw = dict(temperature=0.9, top_p=0.9, seed=5, presence_penalty=0.5, frequency_penalty=-0.4)
     extra = {"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.2}
-    r = client.completions.create(model=MODEL, prompt="birds sing", max_tokens=20, extra_body=extra, **kw)
-    want = solo(ref, "birds sing", max_new_tokens=20, **extra, **kw)
+    r = client.completions.create(model=MODEL, prompt="birds sing", max_tokens=20, extra_body=extra,
+                                  logit_bias={"7": 3.0, "12": -100}, **kw)
+    want = solo(ref, "birds sing", max_new_tokens=20, logit_bias={7: 3.0, 12: -100}, **extra, **kw)
     assert r.choices[0].text == want.text
+    for off in ("presence_penalty", "frequency_penalty"):  # each reaches the sampler: the text depends on it
+        assert want.text != solo(ref, "birds sing", max_new_tokens=20, logit_bias={7: 3.0, 12: -100}, **extra,
+                                 **{**kw, off: 0.0}).text, off
+    assert want.text != solo(ref, "birds sing", max_new_tokens=20, **extra, **kw).text
     other = client.completions.create(model=MODEL, prompt="birds sing", max_tokens=20, extra_body=extra,
                                       **{**kw, "seed": 6})
     assert other.choices[0].text != want.text
@@ -350,6 +355,14 @@ BAD = [
     ({"prompt": "the", "n": 0}, "invalid_value", "n"),
     ({"prompt": "the", "n": 1000}, "invalid_value", "n"),
     ({"prompt": "the", "echo": True}, "unsupported_parameter", "echo"),
+    ({"prompt": "the", "presence_penalty": 2.5}, "invalid_value", "presence_penalty"),
+    ({"prompt": "the", "frequency_penalty": "1"}, "invalid_type", "frequency_penalty"),
+    ({"prompt": "the", "logit_bias": [1]}, "invalid_type", "logit_bias"),
+    ({"prompt": "the", "logit_bias": {"the": 1}}, "invalid_value", "logit_bias"),
+    ({"prompt": "the", "logit_bias": {"-1": 1}}, "invalid_value", "logit_bias"),
+    ({"prompt": "the", "logit_bias": {"100000": 1}}, "invalid_value", "logit_bias"),  # past the vocabulary
+    ({"prompt": "the", "logit_bias": {"5": "up"}}, "invalid_type", "logit_bias"),
+    ({"prompt": "the", "logit_bias": {"5": 101}}, "invalid_value", "logit_bias"),
     ({"prompt": "the", "stream": "yes"}, "invalid_type", "stream"),
     # JSON that Python's parser refuses: over its 4300-digit integer limit, deeper than its recursion limit.
     (b'{"prompt": "the", "n": ' + b"1" * 5000 + b"}", "invalid_json", None),

@@ -14,7 +14,7 @@ from switchhead.model.lm import check_ids
 from switchhead.model.tokenizer import vocab_mismatch
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
-from switchhead.runtime.sampling import SamplingParams, check_seed, check_utf8, choose, seed_or_random
+from switchhead.runtime.sampling import SamplingParams, TokenHistory, check_seed, check_utf8, choose, seed_or_random
 
 # Tokens of context kept in front of new ids when detokenising incrementally: enough that the first new piece
 # keeps its leading space (SentencePiece drops a leading '▁' at the start of a decode) and that byte-fallback
@@ -233,14 +233,10 @@ class Generator:
 
     def _run(self, encoded, params, results, on_text):
         B, V = len(encoded), self.backend.config.vocab_size
+        history = TokenHistory(params, V, encoded)  # the prompts, not the EOS prime, count as seen
         self.warmup()
         cache = self.backend.new_cache(B)
         gens = [torch.Generator().manual_seed(r.seed) for r in results]
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen = torch.zeros(B, V, dtype=torch.bool)
-            for b, ids in enumerate(encoded):
-                seen[b, torch.as_tensor(ids)] = True
         t0 = time.perf_counter()
         last = torch.stack(feed(self.backend, cache, [self.prime + ids for ids in encoded], self.prefill_step,
                                 trusted=True))  # checked by generate_ids
@@ -258,7 +254,7 @@ class Generator:
         while any(active):
             if self.banned is not None:
                 last = last.masked_fill(self.banned.to(last.device), float("-inf"))
-            nxt = choose(last, params, None if seen is None else seen.to(last.device), gens).tolist()
+            nxt = choose(last, params, history, gens).tolist()
             for b in range(B):
                 if not active[b]:
                     continue
@@ -267,8 +263,7 @@ class Generator:
                     r.finish_reason, active[b] = "eos", False
                     continue
                 r.tokens.append(tok)
-                if seen is not None:
-                    seen[b, tok] = True
+                history.add(b, tok)
                 emit(b, detoks[b].push(tok))
                 if texts[b].stopped:
                     r.finish_reason, active[b] = "stop", False

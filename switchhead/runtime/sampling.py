@@ -1,9 +1,9 @@
 """Sampling as small pure functions on logits [B, V], plus validated parameters.
 
-Order of application (as in Hugging Face's samplers): repetition penalty, temperature, top-k, top-p, min-p,
-then one draw. Temperature 0 means greedy. Filters mark removed tokens with -inf; each keeps at least the most
-likely token. Draws take uniforms from per-row generators so that a row's result never depends on which other
-rows share its batch.
+Order of application: logit bias, repetition penalty (as in Hugging Face's samplers), presence and frequency
+penalties (OpenAI's), temperature, top-k, top-p, min-p, then one draw. Temperature 0 means greedy. Filters mark
+removed tokens with -inf; each keeps at least the most likely token. Draws take uniforms from per-row generators
+so that a row's result never depends on which other rows share its batch.
 
 Seeds are integers in [0, 2**64), what `torch.Generator.manual_seed` takes. Where one seed yields several
 (the i-th prompt of a prompts file, the j-th of n samples), they are ``seed_plus(seed, i)``: seed + i wrapped
@@ -13,6 +13,7 @@ modulo 2**64, so every seed the user may give works with any number of prompts o
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit; stored as sorted (id, bias) pairs
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_at_eos: bool = True
@@ -78,6 +82,8 @@ class SamplingParams:
             ("min_p", is_finite_number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
             ("repetition_penalty", is_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
              "> 0"),
+            ("presence_penalty", _in_range(self.presence_penalty, MAX_PENALTY), _RANGE),
+            ("frequency_penalty", _in_range(self.frequency_penalty, MAX_PENALTY), _RANGE),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -90,6 +96,36 @@ class SamplingParams:
             check_utf8(s, f"stop string {i}")
         if self.seed is not None:
             check_seed(self.seed)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+
+# OpenAI's ranges for these parameters.
+MAX_PENALTY = 2.0
+MAX_BIAS = 100.0
+_RANGE = f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+
+
+def _in_range(value, limit: float) -> bool:
+    return is_finite_number(value) and -limit <= value <= limit
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
+    """`logit_bias` as sorted (token id, bias) pairs (None when empty), or a SwitchheadError naming the entry."""
+    if bias is None:
+        return None
+    if not isinstance(bias, (Mapping, tuple)):
+        raise SwitchheadError(f"logit-bias must map token ids to numbers, got {type(bias).__name__}")
+    pairs = tuple(bias.items()) if isinstance(bias, Mapping) else bias
+    for entry in pairs:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise SwitchheadError(f"logit-bias must map token ids to numbers, got {entry!r}")
+        tok, value = entry
+        if not is_int(tok) or tok < 0:
+            raise SwitchheadError(f"logit-bias keys must be token ids (integers >= 0), got {tok!r}")
+        if not _in_range(value, MAX_BIAS):
+            raise SwitchheadError(f"logit-bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r} for "
+                                  f"token {tok}")
+    return tuple(sorted((int(t), float(v)) for t, v in pairs)) or None
 
 
 def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -99,6 +135,59 @@ def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
         return logits
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalised, logits)
+
+
+def presence_frequency_penalty(logits: Tensor, counts: Tensor, presence: float, frequency: float) -> Tensor:
+    """OpenAI's penalties on tokens already generated (`counts` [B, V]: how often each was): frequency * count
+    plus presence once a token occurs is subtracted from its logit (negative values encourage repeats)."""
+    if presence == 0.0 and frequency == 0.0:
+        return logits
+    c = counts.to(logits.dtype)
+    return logits - frequency * c - presence * (c > 0).to(logits.dtype)
+
+
+class TokenHistory:
+    """What the logit bias and the penalties of `params` need to know of B rows, kept up to date with `add`:
+    the tokens in each row's context, prompt included (repetition penalty), and how often each row generated
+    each token (presence and frequency penalties, which, as in OpenAI's API and vLLM, count only generated
+    tokens). Only what `params` uses is kept; with none of them `active` is False and `adjust` is the identity."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompts: Sequence[Sequence[int]]):
+        self.params, rows = params, len(prompts)
+        self.seen = self.counts = self.bias = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool)
+            for b, ids in enumerate(prompts):
+                self.seen[b, torch.as_tensor(list(ids), dtype=torch.long)] = True
+        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            self.counts = torch.zeros(rows, vocab_size, dtype=torch.int32)
+        if params.logit_bias:
+            outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+            if outside:
+                raise SwitchheadError(f"logit-bias names token {outside[0]}, outside the vocabulary "
+                                      f"(ids 0..{vocab_size - 1})")
+            self.bias = torch.zeros(vocab_size, dtype=torch.float64)
+            ids, values = zip(*params.logit_bias)
+            self.bias[list(ids)] = torch.tensor(values, dtype=torch.float64)
+        self.active = self.seen is not None or self.counts is not None or self.bias is not None
+
+    def add(self, row: int, token: int) -> None:
+        """Row `row` generated `token`."""
+        if self.seen is not None:
+            self.seen[row, token] = True
+        if self.counts is not None:
+            self.counts[row, token] += 1
+
+    def adjust(self, logits: Tensor) -> Tensor:
+        """Logits [B, V] with the bias and the penalties applied (in the logits' dtype)."""
+        x, p = logits, self.params
+        if self.bias is not None:
+            x = x + self.bias.to(x.device, x.dtype)
+        if self.seen is not None:
+            x = repetition_penalty(x, self.seen.to(x.device), p.repetition_penalty)
+        if self.counts is not None:
+            x = presence_frequency_penalty(x, self.counts.to(x.device), p.presence_penalty, p.frequency_penalty)
+        return x
 
 
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
@@ -130,21 +219,22 @@ def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
     return logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
 
 
-def _penalised(logits: Tensor, params: SamplingParams, seen: Tensor | None, temperature: float = 1.0) -> Tensor:
-    """Logits [B, V] after the repetition penalty and the temperature, in float64 with +inf clamped to the
+def _penalised(logits: Tensor, params: SamplingParams, history: TokenHistory | None,
+               temperature: float = 1.0) -> Tensor:
+    """Logits [B, V] after the bias, the penalties and the temperature, in float64 with +inf clamped to the
     largest float: any accepted penalty or temperature can overflow float32 (a logit / 1e-300 is inf, and a
     banned token's -inf / inf is NaN), and one NaN row made the draw fall through to token 0."""
     x = logits.double()
-    if seen is not None:
-        x = repetition_penalty(x, seen, params.repetition_penalty)
+    if history is not None:
+        x = history.adjust(x)
     return (x / temperature).clamp(max=torch.finfo(x.dtype).max)
 
 
-def processed_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
+def processed_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None) -> Tensor:
     """All filters of `params` applied to logits [B, V] (temperature > 0), in float64."""
     # Tiny temperatures behave like 1e-6: the ranking is settled long before, and far below it every logit
     # would hit the clamp and tie.
-    x = _penalised(logits, params, seen, max(params.temperature, 1e-6))
+    x = _penalised(logits, params, history, max(params.temperature, 1e-6))
     x = top_k_filter(x, params.top_k)
     x = top_p_filter(x, params.top_p)
     return min_p_filter(x, params.min_p)
@@ -159,12 +249,15 @@ def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
     return (cdf < target).sum(-1).clamp_max(probs.shape[-1] - 1)
 
 
-def choose(logits: Tensor, params: SamplingParams, seen: Tensor | None,
+def choose(logits: Tensor, params: SamplingParams, history: TokenHistory | None,
            generators: list[torch.Generator] | None) -> Tensor:
-    """Next token per row [B] from the last-position logits [B, V]."""
+    """Next token per row [B] from the last-position logits [B, V]; `history` holds the rows' past tokens for
+    the penalties (None or inactive: none apply)."""
+    if history is not None and not history.active:
+        history = None
     if params.temperature == 0:  # without a penalty nothing can overflow: no float64 copy per decode step
-        return (logits if seen is None else _penalised(logits, params, seen)).argmax(-1)
-    probs = processed_logits(logits, params, seen).softmax(-1)
+        return (logits if history is None else _penalised(logits, params, history)).argmax(-1)
+    probs = processed_logits(logits, params, history).softmax(-1)
     # 1 - U[0, 1) lies in (0, 1]: a draw of exactly 0 could otherwise pick a zero-probability first token.
     u = torch.stack([1.0 - torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     return draw(probs, u.to(probs.device))

@@ -184,7 +184,8 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = P.parse_completion(await read_json(request), config.model_name, config.limits, generator.encode)
+        req = P.parse_completion(await read_json(request), config.model_name, config.limits, generator.encode,
+                                 generator.backend.config.vocab_size)
         relay = _Relay(asyncio.get_running_loop())
         deadline = time.monotonic() + config.timeout_s if config.timeout_s else None
         seqs = req.sequences()

@@ -98,20 +98,37 @@ def _get(body: dict, name: str, kind: str, default, param: str | None = None):
 
 # SamplingParams reports errors by its own (dashed) field names; these are the API's names for them.
 _API_NAMES = {"max-new-tokens": "max_tokens", "temperature": "temperature", "top-k": "top_k", "top-p": "top_p",
-              "min-p": "min_p", "repetition-penalty": "repetition_penalty", "seed": "seed", "stop": "stop"}
+              "min-p": "min_p", "repetition-penalty": "repetition_penalty", "presence-penalty": "presence_penalty",
+              "frequency-penalty": "frequency_penalty", "logit-bias": "logit_bias", "seed": "seed", "stop": "stop"}
 
 
-def parse_completion(body, model_name: str, limits: Limits, encode) -> CompletionRequest:
-    """Validate a /v1/completions body; `encode(text) -> ids` is the generator's encoder."""
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object from token ids (as JSON keys: decimal strings) to biases."""
+    bias = _get(body, "logit_bias", "object", None)
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
+            raise bad(f"'logit_bias' keys must be token ids in [0, {vocab_size - 1}], got {_show(key)}",
+                      "logit_bias")
+        if not is_finite_number(value):
+            raise bad(f"'logit_bias' values must be numbers, got {_show(value)} for token {key}", "logit_bias",
+                      "invalid_type")
+        out[int(key)] = value
+    return out
+
+
+def parse_completion(body, model_name: str, limits: Limits, encode, vocab_size: int) -> CompletionRequest:
+    """Validate a /v1/completions body; `encode(text) -> ids` is the generator's encoder, `vocab_size` its
+    model's (for logit_bias)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
     model = body.get("model")
     if model is not None and model != model_name:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
                        "invalid_request_error", "model", "model_not_found")
-    for name, kind, neutral in (("echo", "bool", False), ("suffix", "str", None), ("best_of", "int", 1),
-                                ("presence_penalty", "num", 0), ("frequency_penalty", "num", 0),
-                                ("logit_bias", "object", {})):
+    for name, kind, neutral in (("echo", "bool", False), ("suffix", "str", None), ("best_of", "int", 1)):
         # Typed first: `echo: 0` or `best_of: true` equal the neutral value in Python but are not valid.
         value = _get(body, name, kind, None)
         if value is not None and value != neutral:
@@ -177,7 +194,10 @@ def parse_completion(body, model_name: str, limits: Limits, encode) -> Completio
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=_get(body, "temperature", "num", 1.0), top_k=top_k,
             top_p=_get(body, "top_p", "num", 1.0), min_p=_get(body, "min_p", "num", 0.0),
-            repetition_penalty=_get(body, "repetition_penalty", "num", 1.0), seed=seed, stop=stops)
+            repetition_penalty=_get(body, "repetition_penalty", "num", 1.0),
+            presence_penalty=_get(body, "presence_penalty", "num", 0.0),
+            frequency_penalty=_get(body, "frequency_penalty", "num", 0.0),
+            logit_bias=_logit_bias(body, vocab_size), seed=seed, stop=stops)
     except SwitchheadError as e:
         msg = str(e)
         param = next((api for name, api in _API_NAMES.items() if msg.startswith(name)), None)

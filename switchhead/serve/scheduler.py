@@ -26,7 +26,7 @@ from torch import Tensor
 
 from switchhead.errors import SwitchheadError
 from switchhead.runtime.engine import Detokenizer, Generator, StopText, feed
-from switchhead.runtime.sampling import SamplingParams, choose
+from switchhead.runtime.sampling import SamplingParams, TokenHistory, choose
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class _Row:
     detok: Detokenizer
     text: StopText
     rng: torch.Generator
-    seen: Tensor | None
+    history: TokenHistory
     tokens: list[int] = field(default_factory=list)
     raw: int = 0  # characters released by the detokenizer so far (before stop-string cutting)
 
@@ -229,13 +229,10 @@ class Scheduler:
     def _row(self, b: int, job: Job) -> _Row:
         self.cache.reset_row(b)
         prompt = self.gen.prime + list(job.ids)
-        seen = None
-        if job.params.repetition_penalty != 1.0:
-            # As in the engine: the prompt (not the EOS prime) counts as already seen.
-            seen = torch.zeros(self.backend.config.vocab_size, dtype=torch.bool)
-            seen[torch.as_tensor(job.ids, dtype=torch.long)] = True
+        # As in the engine: the prompt (not the EOS prime) counts as already seen.
+        history = TokenHistory(job.params, self.backend.config.vocab_size, [job.ids])
         return _Row(job, prompt, Detokenizer(self.gen.sp, prompt), StopText(job.params.stop),
-                    torch.Generator().manual_seed(job.params.seed), seen)
+                    torch.Generator().manual_seed(job.params.seed), history)
 
     def _free(self, b: int, event: Event | None) -> None:
         row = self.rows[b]
@@ -282,7 +279,7 @@ class Scheduler:
         x = logits[None]
         if self.gen.banned is not None:
             x = x.masked_fill(self.gen.banned.to(x.device), float("-inf"))
-        tok = int(choose(x, p, None if row.seen is None else row.seen[None].to(x.device), [row.rng])[0])
+        tok = int(choose(x, p, row.history, [row.rng])[0])
         if p.stop_at_eos and tok == self.gen.eos:
             return self._end(row, "eos")
         info = None
@@ -293,8 +290,7 @@ class Scheduler:
             pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
             info = TokenInfo(tok, float(lp[tok]), pairs, row.raw)
         row.tokens.append(tok)
-        if row.seen is not None:
-            row.seen[tok] = True
+        row.history.add(0, tok)
         raw = row.detok.push(tok)
         row.raw += len(raw)
         self._emit(row, Piece(row.text.add(raw), info))
