@@ -8,7 +8,8 @@
 For each shape of `benchmarks/kernels.py` it records the launches of one forward and backward of the Triton op
 (N = 4096 tokens; N = 1 for the decode gather kernel), builds each with every autotune config the tuner would
 try at that precision, and reads registers and stack bytes (spills) from the binary, shared memory, and whether
-the loads became async copies and the products tensor-core instructions (`switchhead.kernels.gpu_build`).
+the loads became async copies and the products tensor-core instructions, and whether a wgmma stays in flight
+while the next tiles load (`switchhead.kernels.gpu_build`).
 It measures no speed: it shows builds that cannot be fast.
 """
 
@@ -77,16 +78,18 @@ def main() -> None:
     tiles = "every tile" if args.every_tile else "the tiles of each precision"
     print(f"# sm_{args.arch}, rows padded to {args.align} elements, {tiles}, N = 4096 (decode: N = 1)\n")
     if args.configs:
-        print("| precision | case | step | config | registers | stack B | shared KB | async copies | tensor cores |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| precision | case | step | config | registers | stack B | shared KB | async copies | tensor cores "
+              "| wgmma in flight |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for precision, case, step, config, b in rows:
             cfg = "fixed"
             if config is not None:
                 cfg = f"{tuple(config.kwargs.values())} w{config.num_warps} s{config.num_stages}"
-            yes = {True: "yes", False: "no"}
+            yes = {True: "yes", False: "no", None: "n/a"}
             print(
                 f"| {precision} | {case} | {step} | {cfg} | {b.registers} | {b.stack_bytes} | "
-                f"{b.shared_bytes / 1024:.1f} | {yes[b.async_copies]} | {yes[b.tensor_cores]} |"
+                f"{b.shared_bytes / 1024:.1f} | {yes[b.async_copies]} | {yes[b.tensor_cores]} "
+                f"| {yes[b.mma_in_flight]} |"
             )
         return
     groups = defaultdict(list)
@@ -94,14 +97,16 @@ def main() -> None:
         groups[(precision, step)].append((case, b))
     print(
         "| precision | step | builds | registers (max) | builds with spills | spill stack B (max) | shared KB (max) "
-        "| async copies | tensor cores |"
+        "| async copies | tensor cores | wgmma in flight |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (precision, step), items in groups.items():
         builds = [b for _, b in items]
         spilled = sorted({case for case, b in items if b.stack_bytes})
         spills = f"{sum(b.stack_bytes > 0 for b in builds)} ({', '.join(spilled)})" if spilled else "0"
         n = len(builds)
+        wgmma = [b.mma_in_flight for b in builds if b.mma_in_flight is not None]
+        in_flight = f"{sum(wgmma)}/{len(wgmma)}" if wgmma else "n/a"  # of the builds that use wgmma
         if step == "decode":  # stages nothing through shared memory and multiplies on the CUDA cores, by design
             async_copies = tensor_cores = "n/a"
         else:
@@ -110,7 +115,7 @@ def main() -> None:
         print(
             f"| {precision} | {step} | {n} | {max(b.registers for b in builds)} | {spills} "
             f"| {max(b.stack_bytes for b in builds)} | {max(b.shared_bytes for b in builds) / 1024:.1f} "
-            f"| {async_copies} | {tensor_cores} |"
+            f"| {async_copies} | {tensor_cores} | {in_flight} |"
         )
 
 

@@ -453,7 +453,8 @@ def test_model_triton_equals_torch(preset, backend):
 def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, monkeypatch):
     """The interpreter skips Triton's compiler: build every launch of a forward and backward (and of a decode
     step) for sm_90 with each config the tuner would try, at widths that are not multiples of 16 (as the 47M
-    model's 412 and 76), and check what the binaries would use: no register spills, async tile loads."""
+    model's 412 and 76), and check what the binaries would use: no register spills, async tile loads, tensor-core
+    products overlapping the loads."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from switchhead.kernels import gpu_build, triton_kernels
 
@@ -476,6 +477,9 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
             assert build.stack_bytes == 0, (launch.kernel, config, build)
             if launch.kernel != "_gather_kernel":  # the decode kernel reads unpadded rows
                 assert build.async_copies and (build.tensor_cores or dtype == torch.float32), (launch.kernel, build)
+            # Every wgmma build keeps a product in flight while it loads the next tiles (the gated weight
+            # gradient did not, when the gate scaled the operand that wgmma reads from shared memory only).
+            assert build.mma_in_flight is not False, (launch.kernel, config, build)
             # Shared output rows take relaxed atomic adds (Triton 3.6 emits atom, 3.9 red): the default acq_rel
             # ones were 1.4-2.1x slower on an H100 (docs/BENCHMARKS.md). The other builds have no atomics at all.
             if launch.kwargs.get("ATOMIC"):

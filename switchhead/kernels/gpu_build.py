@@ -5,7 +5,7 @@ the recorded arguments are exactly what a CUDA run passes. `build` compiles one 
 autotune configs through Triton's own argument specialisation (pointer alignment, integers equal to 1 folded,
 integers divisible by 16 marked) for a CUDA architecture, and reads registers and stack (spills) from the
 binary with the cuobjdump that ships with Triton, shared memory from the build, and whether the main loop got
-async copies and tensor-core instructions from the PTX.
+async copies and tensor-core instructions (kept in flight, for wgmma) from the PTX.
 
 Nothing here measures speed; it catches builds that cannot be fast: register spills, scalar loads, no
 pipelining. Used by `benchmarks/kernel_resources.py` and the tests.
@@ -39,6 +39,9 @@ class Build:
     shared_bytes: int
     async_copies: bool  # cp.async in the PTX: tile loads are vectorised and pipelined
     tensor_cores: bool  # wgmma or mma in the PTX
+    # With wgmma (sm_90): whether one is left in flight while the next tile is loaded and issued (a wait for at
+    # most N > 0 pending groups) rather than each awaited before going on; None without wgmma.
+    mma_in_flight: bool | None
     atomics: tuple[str, ...]  # the distinct atomic instructions in the PTX, e.g. atom.global.gpu.relaxed.add.v4.f32
 
 
@@ -128,11 +131,13 @@ def build(launch: Launch, config=None, arch: int = 90) -> Build:
         ).stdout
     fields = dict(item.split(":", 1) for item in usage.split() if item.split(":", 1)[0] in ("REG", "STACK"))
     ptx = compiled.asm["ptx"]
+    waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)]
     return Build(
         registers=int(fields["REG"]),
         stack_bytes=int(fields["STACK"]),
         shared_bytes=compiled.metadata.shared,
         async_copies="cp.async" in ptx,
         tensor_cores="wgmma" in ptx or "mma.sync" in ptx,
+        mma_in_flight=max(waits) > 0 if waits else None,
         atomics=tuple(sorted(set(re.findall(r"\b(?:atom|red)\.[\w.]+", ptx)))),
     )

@@ -394,7 +394,13 @@ def _weight_grad_kernel(
         )
         if HAS_GATE:
             gv = tl.load(gate_ptr + pair, mask=mask_p, other=0.0).to(tl.float32)
-            g = (g.to(tl.float32) * gv[:, None]).to(xt.dtype)
+            if PRECISION == "ieee":  # FMA units: scaling x instead spilled one fp32 tile (24 bytes)
+                g = (g.to(tl.float32) * gv[:, None]).to(xt.dtype)
+            else:
+                # On tensor cores the gate scales x, the dot's first operand, which a Hopper wgmma may read from
+                # registers. Scaling g, which it reads only from shared memory, stored the scaled tile back there
+                # and waited for each wgmma in turn: no overlap with the loads (`gpu_build.Build.mma_in_flight`).
+                xt = (xt.to(tl.float32) * gv[None, :]).to(g.dtype)
         if DOT_FP32:
             xt = xt.to(tl.float32)
             g = g.to(tl.float32)
