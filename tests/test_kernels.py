@@ -488,6 +488,18 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
                 assert build.atomics == (), (launch.kernel, config, build)
 
 
+def test_triton_builds_for_sm100_use_the_tensor_cores(monkeypatch):
+    """Blackwell's tensor-core instruction (tcgen05.mma) is neither mma.sync nor wgmma: the build report knows it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    assert not triton_kernels.load()._INTERPRETED
+    _, inputs = make(Shape(40, 2, 6, 1, 10, 76, 20), torch.bfloat16)
+    forward = gpu_build.launches(*inputs[:4], 1)[0]
+    build = gpu_build.build(forward, gpu_build.configs(forward)[0], arch=100)
+    assert build.tensor_cores and build.async_copies and build.mma_in_flight is None, build
+
+
 def _benchmark_module():
     """benchmarks/kernels.py, imported from its file (benchmarks/ is not a package)."""
     import importlib.util

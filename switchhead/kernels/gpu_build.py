@@ -38,7 +38,7 @@ class Build:
     stack_bytes: int  # per thread; > 0 means spills (the kernels keep no local arrays)
     shared_bytes: int
     async_copies: bool  # cp.async in the PTX: tile loads are vectorised and pipelined
-    tensor_cores: bool  # wgmma or mma in the PTX
+    tensor_cores: bool  # tensor-core instructions in the PTX: mma.sync, wgmma (sm_90) or tcgen05.mma (sm_100)
     # With wgmma (sm_90): whether one is left in flight while the next tile is loaded and issued (a wait for at
     # most N > 0 pending groups) rather than each awaited before going on; None without wgmma.
     mma_in_flight: bool | None
@@ -137,7 +137,7 @@ def build(launch: Launch, config=None, arch: int = 90) -> Build:
         stack_bytes=int(fields["STACK"]),
         shared_bytes=compiled.metadata.shared,
         async_copies="cp.async" in ptx,
-        tensor_cores="wgmma" in ptx or "mma.sync" in ptx,
+        tensor_cores=any(op in ptx for op in ("mma.sync", "wgmma", "tcgen05.mma")),
         mma_in_flight=max(waits) > 0 if waits else None,
         atomics=tuple(sorted(set(re.findall(r"\b(?:atom|red)\.[\w.]+", ptx)))),
     )
