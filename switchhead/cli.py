@@ -246,13 +246,19 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
 
 
 @main.command("eval")
-@click.option("--tasks", required=True, help="Comma-separated: lambada, blimp, cbt.")
+@click.option("--tasks", help="Comma-separated: lambada, blimp, cbt.")
+@click.option("--text", "texts", multiple=True, type=click.Path(),
+              help="Also score this text file (repeatable): perplexity per token and bits per byte, with the XL "
+                   "state carried through --batch-size lanes, as training's validation.")
+@click.option("--unwrap/--no-unwrap", default=False, show_default=True,
+              help="Join hard-wrapped lines of --text files into paragraphs first, as train --unwrap does.")
 @click.option("--ckpt", type=click.Path(), help="Checkpoint directory (default: the built-in model).")
 @click.option("--onnx", type=click.Path(), help="ONNX export directory (instead of --ckpt).")
 @click.option("--data-dir", type=click.Path(), help="Local data (lambada/, blimp/, cbt/ in their original formats; "
               "see docs/EVAL.md). Default: the Hugging Face hub, when reachable.")
 @click.option("--limit", type=int, help="Evaluate only the first N examples of each task (or paradigm).")
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Sequences per forward pass.")
+@click.option("--batch-size", type=int, default=64, show_default=True,
+              help="Sequences per forward pass (for --text: the lanes each file is cut into).")
 @click.option("--output", type=click.Path(),
               help="Write lm-eval's results JSON here (replacing an existing file only if it is earlier results).")
 @click.option("--device", help="cpu, cuda, ...; default cpu.")
@@ -260,20 +266,24 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
               "evaluation is many small forwards, where more threads mostly add synchronisation (and thrash "
               "on shared cores).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def eval_(tasks, ckpt, onnx, data_dir, limit, batch_size, output, device, threads, no_progress):
+def eval_(tasks, texts, unwrap, ckpt, onnx, data_dir, limit, batch_size, output, device, threads, no_progress):
     """Zero-shot evaluation through lm-eval: LAMBADA (acc, perplexity), BLiMP (mean acc over the 67
-    paradigms, and each paradigm), CBT (per-token-normalised acc and lm-eval's acc, mean over CN/NE/P/V)."""
+    paradigms, and each paradigm), CBT (per-token-normalised acc and lm-eval's acc, mean over CN/NE/P/V);
+    and held-out perplexity of text files (--text)."""
     from switchhead.evals.run import evaluate, format_table, parse_tasks
 
-    names = parse_tasks(tasks)
+    if tasks is None and not texts:
+        raise SwitchheadError("give --tasks (lambada, blimp, cbt) and/or --text FILE")
+    names = parse_tasks(tasks) if tasks is not None else None
     if ckpt is not None and onnx is not None:
         raise SwitchheadError("give --ckpt DIR or --onnx DIR, not both")
     if ckpt is None and onnx is None:
         from switchhead.model.checkpoint import resolve_checkpoint
 
         ckpt = str(resolve_checkpoint(None))
-    results = evaluate(names, ckpt=ckpt, onnx=onnx, data_dir=data_dir, limit=limit, batch_size=batch_size,
-                       output=output, progress=not no_progress, device=device, threads=threads)
+    results = evaluate(names, texts=list(texts), ckpt=ckpt, onnx=onnx, data_dir=data_dir, limit=limit,
+                       batch_size=batch_size, output=output, progress=not no_progress, device=device, threads=threads,
+                       unwrap=unwrap)
     click.echo(format_table(results))
     if output:
         click.echo(f"results written to {output}", err=True)

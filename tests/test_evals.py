@@ -184,6 +184,75 @@ def test_blimp_matches_direct_pairwise_comparison(env, results):
     assert results["switchhead_blimp"]["acc,none"] == pytest.approx(mean, abs=1e-9)
 
 
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_text_perplexity_matches_a_naive_loop_per_lane(env, tmp_path, lanes):
+    import copy
+
+    import naive
+    import numpy as np
+
+    from switchhead.evals.text import text_perplexity
+    from switchhead.runtime import TorchBackend
+
+    _, _, model, sp = env
+    text = " ".join(passage(random.Random(5), 4) for _ in range(5))
+    path = tmp_path / "held.txt"
+    path.write_text(text)
+    m64 = copy.deepcopy(model).double()
+    (row,) = text_perplexity(TorchBackend(m64), sp, [path], lanes, progress=False)
+    # The file is one document followed by EOS, cut into `lanes` contiguous lanes (a lane's first token is
+    # context only), each scored over chunks with memory by the float64 loop.
+    stream = np.array(sp.encode(text) + [sp.eos_id()])
+    lane_len, nll = len(stream) // lanes, 0.0
+    assert lane_len > 3 * m64.config.chunk_len  # several chunks per lane
+    for b in range(lanes):
+        ids = torch.from_numpy(stream[b * lane_len:(b + 1) * lane_len])
+        logp = naive.lm_forward(m64, ids).log_softmax(-1)
+        nll -= float(logp[:-1].gather(1, ids[1:, None]).sum())
+    count = lanes * (lane_len - 1)
+    assert (row["tokens"], row["lanes"]) == (count, lanes)
+    assert row["loss"] == pytest.approx(nll / count, rel=1e-10)
+    assert row["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-10)
+    assert row["bits_per_byte"] == pytest.approx(nll / math.log(2) / len(text.encode()), rel=1e-10)
+
+
+def test_cli_text_perplexity_same_for_checkpoint_and_onnx_export(env, tmp_path):
+    from switchhead.export import export
+
+    ckpt, _, _, _ = env
+    path = tmp_path / "held.txt"
+    path.write_text("\n".join(passage(random.Random(6), 3) for _ in range(4)))
+    onnx = export(str(ckpt), tmp_path / "onnx").out
+    rows = {}
+    for flag, where in (("--ckpt", ckpt), ("--onnx", onnx)):
+        out = tmp_path / f"{flag[2:]}.json"
+        r = run_cli("--text", str(path), flag, str(where), "--batch-size", "2", "--output", str(out), "--no-progress")
+        assert r.exit_code == 0, r.output
+        assert re.search(r"text held.txt\s+perplexity\s+\d", r.output), r.output
+        (rows[flag],) = json.loads(out.read_text())["text"]
+    assert rows["--ckpt"]["tokens"] == rows["--onnx"]["tokens"] and rows["--ckpt"]["lanes"] == 2
+    assert rows["--onnx"]["loss"] == pytest.approx(rows["--ckpt"]["loss"], rel=1e-5)
+    # The text-only results file is an earlier results file: a later run may replace it.
+    r = run_cli("--text", str(path), "--ckpt", str(ckpt), "--output", str(tmp_path / "ckpt.json"), "--no-progress")
+    assert r.exit_code == 0 and json.loads((tmp_path / "ckpt.json").read_text())["text"][0]["lanes"] > 2
+
+
+def test_cli_text_errors(env, tmp_path):
+    ckpt, _, _, _ = env
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    for args, message in [
+        ((), "give --tasks (lambada, blimp, cbt) and/or --text FILE"),
+        (("--text", str(tmp_path / "nope.txt")), "text file not found"),
+        (("--text", str(tmp_path / "empty.txt")), "text file is empty"),
+        (("--text", str(tmp_path / "latin1.txt")), "not valid UTF-8"),
+        (("--text", str(tmp_path / "empty.txt"), "--batch-size", "0"), "batch size"),
+    ]:
+        r = run_cli(*args, "--ckpt", str(ckpt))
+        assert r.exit_code == 2 and message in r.output, (args, r.output)
+        assert len(r.output.strip().splitlines()) == 1 and r.output.startswith("Error:"), r.output
+
+
 def test_cbt_parser(env):
     _, d, _, _ = env
     examples = data.parse_cbt(d / data.cbt_file("CN"))

@@ -1,4 +1,4 @@
-"""`switchhead eval`: run the shipped tasks through lm-eval and summarise the results."""
+"""`switchhead eval`: run the shipped tasks through lm-eval, score held-out text, and summarise the results."""
 
 from __future__ import annotations
 
@@ -47,20 +47,29 @@ def task_manager(data_dir: str | Path | None = None):
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=meta)
 
 
-def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | None = None, model=None,
-             tokenizer=None, data_dir: str | Path | None = None, limit: int | None = None,
-             batch_size: int = 64, output: str | Path | None = None, progress: bool = True,
-             bootstrap_iters: int = 0, device: str | None = None, threads: int | None = None) -> dict:
-    """Evaluate on the named tasks (lambada, blimp, cbt); returns lm-eval's results dict (also written to
-    `output` as JSON when given). Inputs are validated before anything slow happens. `threads` sets torch's
-    intra-op CPU threads for the process (None: leave as is)."""
-    names = parse_tasks(tasks)
+def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = None, ckpt: str | None = None,
+             onnx: str | None = None, model=None, tokenizer=None, data_dir: str | Path | None = None,
+             limit: int | None = None, batch_size: int = 64, output: str | Path | None = None, progress: bool = True,
+             bootstrap_iters: int = 0, device: str | None = None, threads: int | None = None,
+             unwrap: bool = False) -> dict:
+    """Evaluate on the named tasks (lambada, blimp, cbt) and the perplexity of each of `texts` (`text.py`; lanes
+    = `batch_size`); returns lm-eval's results dict, with the text rows under "text" (also written to `output`
+    as JSON when given; `unwrap` reads the texts as `train --unwrap` does). Inputs are validated before anything
+    slow happens. `threads` sets torch's intra-op CPU threads for the process (None: leave as is)."""
+    texts = list(texts or [])
+    names = parse_tasks(tasks) if tasks or not texts else []
     if limit is not None and (not is_int(limit) or limit < 1):
         raise SwitchheadError(f"--limit must be a positive number of examples per task, got {limit}")
-    if data_dir is not None:
+    if not is_int(batch_size) or batch_size < 1:
+        raise SwitchheadError(f"the batch size (--batch-size) must be a positive integer, got {batch_size!r}")
+    if texts:
+        from switchhead.train.data import check_data_files
+
+        texts = check_data_files(texts, "text")
+    if names and data_dir is not None:
         data.check_data_dir(data_dir, names)
         data.use_local_data()  # before lm_eval imports `datasets`
-    elif not data.hub_reachable():
+    elif names and not data.hub_reachable():
         raise SwitchheadError(f"no --data-dir given and the Hugging Face hub is unreachable; {data.LAYOUT_HELP}")
     if ckpt is not None and not Path(ckpt).is_dir():
         raise SwitchheadError(f"checkpoint directory not found: {ckpt}")
@@ -72,7 +81,7 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
         resolve_device(device)
     if output is not None:
         check_output(output)
-    if data_dir is not None:
+    if data_dir is not None and names:
         data.check_data_files(data_dir, names)
 
     if threads is not None:
@@ -85,16 +94,23 @@ def evaluate(tasks: str | list[str], *, ckpt: str | None = None, onnx: str | Non
 
     lm = SwitchheadLM(ckpt=ckpt, onnx=onnx, model=model, tokenizer=tokenizer, batch_size=batch_size,
                       device=device, progress=progress)
-    import lm_eval
+    if names:
+        import lm_eval
 
-    # lm-eval logs a warning per task for custom datasets and per-request details at INFO.
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    with _quiet_lm_eval():
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir), limit=limit,
-            bootstrap_iters=bootstrap_iters, log_samples=False)
-    if results is None:  # non-zero ranks under torch.distributed
-        return {}
+        # lm-eval logs a warning per task for custom datasets and per-request details at INFO.
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
+        with _quiet_lm_eval():
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir), limit=limit,
+                bootstrap_iters=bootstrap_iters, log_samples=False)
+        if results is None:  # non-zero ranks under torch.distributed
+            return {}
+    else:  # the same keys, so that the file reads as results (and a later run may replace it)
+        results = {"results": {}, "configs": {}, "versions": {}, "config": {"model": "switchhead"}}
+    if texts:
+        from switchhead.evals.text import text_perplexity
+
+        results["text"] = text_perplexity(lm.backend, lm.tokenizer, texts, batch_size, progress, unwrap=unwrap)
     if output is not None:
         write_atomic(output, json.dumps(results, indent=2, default=_jsonable))
     return results
@@ -175,7 +191,13 @@ def summary_rows(results: dict) -> list[tuple[str, str, float, float | None]]:
             metric, filt = key.split(",", 1)
             err = res[task].get(f"{metric}_stderr,{filt}")
             rows.append((task, metric, float(value), err if isinstance(err, (int, float)) else None))
+    for text in results.get("text", []):
+        name = f"text {Path(text['file']).name}"
+        rows += [(name, metric, float(text[metric]), None) for metric in TEXT_METRICS]
     return rows
+
+
+TEXT_METRICS = ("tokens", "lanes", "loss", "perplexity", "bits_per_byte")
 
 
 def format_table(results: dict) -> str:
@@ -185,5 +207,7 @@ def format_table(results: dict) -> str:
     for task, metric, value, err in rows:
         e = "-" if err is None or (isinstance(err, float) and math.isnan(err)) else f"{err:.4f}"
         v = f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4e}"
+        if metric in ("tokens", "lanes"):  # counts of the text rows
+            v = f"{int(value)}"
         lines.append(f"{task:{width}s}  {metric:14s} {v:>10s} {e:>8s}")
     return "\n".join(lines)

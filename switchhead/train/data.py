@@ -214,13 +214,18 @@ class LaneBatcher:
         return block[:, :-1], block[:, 1:]
 
 
+def eval_lanes(n_lanes: int, n_tokens: int) -> int:
+    """Lanes a stream of `n_tokens` is cut into for evaluation: `n_lanes`, fewer if the stream is short."""
+    return max(1, min(n_lanes, n_tokens // 2))
+
+
 def eval_chunks(stream: TokenStream, n_lanes: int, chunk_len: int, lanes: Sequence[int] | None = None):
     """Yield (inputs, targets) chunks covering every token of `stream` (but the first of each lane) once.
 
     The stream is cut into `n_lanes` contiguous lanes (fewer when it is short); the last chunk may be shorter
     than `chunk_len`. Feeding the chunks in order with memory gives every token its true preceding context.
     """
-    n_lanes = max(1, min(n_lanes, len(stream) // 2))
+    n_lanes = eval_lanes(n_lanes, len(stream))
     lane_len = len(stream) // n_lanes
     if lane_len < 2:
         raise SwitchheadError(f"evaluation data too short: {len(stream)} tokens")
@@ -231,3 +236,27 @@ def eval_chunks(stream: TokenStream, n_lanes: int, chunk_len: int, lanes: Sequen
     for start in range(0, lane_len - 1, chunk_len):
         stop = min(start + chunk_len, lane_len - 1)
         yield block[:, start:stop], block[:, start + 1 : stop + 1]
+
+
+def stream_nll(logits_fn, stream: TokenStream, n_lanes: int, chunk_len: int, lanes: Sequence[int] | None = None,
+               progress: str | None = None):
+    """Summed negative log-likelihood (float64, on the logits' device) and the number of tokens scored, over the
+    `eval_chunks` of `stream`: each chunk (ids [L, t], int64 on the CPU) goes through `logits_fn(ids, state) ->
+    (logits [L, t, V], state)` with the state the previous chunk returned (None first), so every token is scored
+    with its true preceding context. `progress`: a progress-bar label, or None for no bar."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    chunks = eval_chunks(stream, n_lanes, chunk_len, lanes=lanes)
+    total = -(-(len(stream) // eval_lanes(n_lanes, len(stream)) - 1) // chunk_len)
+    nll, count, state = None, 0, None
+    for x, y in tqdm(chunks, total=total, desc=progress, disable=progress is None, unit="chunk", leave=False):
+        logits, state = logits_fn(torch.from_numpy(np.ascontiguousarray(x)), state)
+        y = torch.from_numpy(np.ascontiguousarray(y)).to(logits.device)
+        # Half-precision logits (autocast) are widened; float32 and float64 ones are scored as they are.
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        part = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
+        nll = part if nll is None else nll + part
+        count += y.numel()
+    return nll, count

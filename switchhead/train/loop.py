@@ -34,8 +34,9 @@ from switchhead.train.data import (
     check_cache_dir,
     check_data_files,
     default_cache_dir,
-    eval_chunks,
+    eval_lanes,
     load_stream,
+    stream_nll,
 )
 from switchhead.train.rundir import (
     CHECKPOINT_DIR,
@@ -179,17 +180,16 @@ def evaluate(
     model.eval()
     rank, world = _rank(), _world()
     cfg = model.config
-    lanes = range(rank, max(1, min(n_lanes, len(stream) // 2)), world)
-    nll = torch.zeros((), dtype=torch.float64, device=device)
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    memory = None
-    for x, y in eval_chunks(stream, n_lanes, cfg.chunk_len, lanes=list(lanes)):
-        x = torch.from_numpy(np.ascontiguousarray(x)).to(device)
-        y = torch.from_numpy(np.ascontiguousarray(y)).to(device)
+    lanes = range(rank, eval_lanes(n_lanes, len(stream)), world)
+
+    def logits(x: torch.Tensor, memory: torch.Tensor | None):
         with _autocast(device, amp_dtype):
-            logits, memory = model(x, memory)
-        nll += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
-        count += y.numel()
+            return model(x.to(device), memory)
+
+    nll, scored = stream_nll(logits, stream, n_lanes, cfg.chunk_len, lanes=list(lanes))
+    # A rank without lanes (more ranks than lanes) still joins the all-reduce, with zeros.
+    nll = torch.zeros((), dtype=torch.float64, device=device) if nll is None else nll
+    count = torch.tensor(float(scored), dtype=torch.float64, device=device)
     if _dist_on():
         dist.all_reduce(nll)
         dist.all_reduce(count)

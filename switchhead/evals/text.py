@@ -1,0 +1,34 @@
+"""Held-out perplexity of a model on text files, measured as training's validation measures it.
+
+Each file is one document followed by EOS, cut into contiguous lanes (more lanes: more tokens per forward, a
+little less context at each lane's start) that are fed chunk by chunk with the XL state carried over, so every
+token after a lane's first is scored with its true preceding context. Works through the runtime's backends, so
+a checkpoint and its ONNX export are scored by the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from switchhead.model.tokenizer import encode_file
+from switchhead.train.data import TokenStream, eval_lanes, stream_nll
+
+
+def text_perplexity(backend, tokenizer, paths: Sequence[str | Path], lanes: int, progress: bool = True, *,
+                    unwrap: bool = False) -> list[dict]:
+    """Per file: tokens scored, mean loss per token (nats), perplexity, and bits per byte (the summed loss over
+    the file's UTF-8 bytes, comparable across tokenizers). `backend` is a runtime Backend (`logits` with state);
+    `unwrap` joins hard-wrapped lines first, as `train --unwrap` does."""
+    rows = []
+    for path in map(Path, paths):
+        stream = TokenStream([encode_file(tokenizer, path, unwrap=unwrap)])
+        label = f"perplexity {path.name}" if progress else None
+        nll, count = stream_nll(backend.logits, stream, lanes, backend.config.chunk_len, progress=label)
+        total = float(nll)
+        loss = total / count
+        rows.append({"file": str(path), "tokens": count, "lanes": eval_lanes(lanes, len(stream)),
+                     "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
+                     "bits_per_byte": total / math.log(2) / path.stat().st_size})
+    return rows
