@@ -314,6 +314,13 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         raise SwitchheadError(
             f"--batch-size {opts.batch_size} must be divisible by the number of processes ({world})"
         )
+    per_rank = opts.batch_size // world
+    if per_rank % opts.grad_accum:
+        raise SwitchheadError(
+            f"--grad-accum {opts.grad_accum} must divide the {per_rank} lanes each process runs "
+            f"(--batch-size {opts.batch_size} / {world} process{'es' if world > 1 else ''})"
+        )
+    micro = per_rank // opts.grad_accum
 
     base_config = opts.config if isinstance(opts.config, ModelConfig) else resolve_config(opts.config)
     check_fits(base_config.replace(vocab_size=opts.vocab_size), device)  # the tokenizer's size is not known yet
@@ -362,13 +369,6 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         load_stream(sp, data_files + eval_files, cache_dir, unwrap=opts.unwrap)
     _barrier()
     stream = load_stream(sp, data_files, cache_dir, unwrap=opts.unwrap)
-    per_rank = opts.batch_size // world
-    if per_rank % opts.grad_accum:
-        raise SwitchheadError(
-            f"--grad-accum {opts.grad_accum} must divide the {per_rank} lanes each process runs "
-            f"(--batch-size {opts.batch_size} / {world} process{'es' if world > 1 else ''})"
-        )
-    micro = per_rank // opts.grad_accum
     my_lanes = tuple(range(rank * per_rank, (rank + 1) * per_rank))
     batcher = LaneBatcher(stream, opts.batch_size, config.chunk_len, lanes=my_lanes)
     eval_stream = load_stream(sp, eval_files, cache_dir, unwrap=opts.unwrap) if eval_files else None
