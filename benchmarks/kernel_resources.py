@@ -8,8 +8,8 @@
 For each shape of `benchmarks/kernels.py` it records the launches of one forward and backward of the Triton op
 (N = 4096 tokens; N = 1 for the decode gather kernel), builds each with every autotune config the tuner would
 try at that precision, and reads registers and stack bytes (spills) from the binary, shared memory, and whether
-the loads became async copies and the products tensor-core instructions, and whether a wgmma stays in flight
-while the next tiles load (`switchhead.kernels.gpu_build`).
+the loads became async copies (kept in flight across steps) and the products tensor-core instructions, and
+whether a wgmma stays in flight while the next tiles load (`switchhead.kernels.gpu_build`).
 It measures no speed: it shows builds that cannot be fast.
 """
 
@@ -78,9 +78,9 @@ def main() -> None:
     tiles = "every tile" if args.every_tile else "the tiles of each precision"
     print(f"# sm_{args.arch}, rows padded to {args.align} elements, {tiles}, N = 4096 (decode: N = 1)\n")
     if args.configs:
-        print("| precision | case | step | config | registers | stack B | shared KB | async copies | tensor cores "
-              "| wgmma in flight |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| precision | case | step | config | registers | stack B | shared KB | async copies | loads in flight "
+              "| tensor cores | wgmma in flight |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for precision, case, step, config, b in rows:
             cfg = "fixed"
             if config is not None:
@@ -88,8 +88,8 @@ def main() -> None:
             yes = {True: "yes", False: "no", None: "n/a"}
             print(
                 f"| {precision} | {case} | {step} | {cfg} | {b.registers} | {b.stack_bytes} | "
-                f"{b.shared_bytes / 1024:.1f} | {yes[b.async_copies]} | {yes[b.tensor_cores]} "
-                f"| {yes[b.mma_in_flight]} |"
+                f"{b.shared_bytes / 1024:.1f} | {yes[b.async_copies]} | {yes[b.copies_in_flight]} "
+                f"| {yes[b.tensor_cores]} | {yes[b.mma_in_flight]} |"
             )
         return
     groups = defaultdict(list)
@@ -97,9 +97,9 @@ def main() -> None:
         groups[(precision, step)].append((case, b))
     print(
         "| precision | step | builds | registers (max) | builds with spills | spill stack B (max) | shared KB (max) "
-        "| async copies | tensor cores | wgmma in flight |"
+        "| async copies | loads in flight | tensor cores | wgmma in flight |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for (precision, step), items in groups.items():
         builds = [b for _, b in items]
         spilled = sorted({case for case, b in items if b.stack_bytes})
@@ -108,14 +108,15 @@ def main() -> None:
         wgmma = [b.mma_in_flight for b in builds if b.mma_in_flight is not None]
         in_flight = f"{sum(wgmma)}/{len(wgmma)}" if wgmma else "n/a"  # of the builds that use wgmma
         if step == "decode":  # stages nothing through shared memory and multiplies on the CUDA cores, by design
-            async_copies = tensor_cores = "n/a"
+            async_copies = loads_in_flight = tensor_cores = "n/a"
         else:
             async_copies = f"{sum(b.async_copies for b in builds)}/{n}"
+            loads_in_flight = f"{sum(bool(b.copies_in_flight) for b in builds)}/{n}"
             tensor_cores = f"{sum(b.tensor_cores for b in builds)}/{n}"
         print(
             f"| {precision} | {step} | {n} | {max(b.registers for b in builds)} | {spills} "
             f"| {max(b.stack_bytes for b in builds)} | {max(b.shared_bytes for b in builds) / 1024:.1f} "
-            f"| {async_copies} | {tensor_cores} | {in_flight} |"
+            f"| {async_copies} | {loads_in_flight} | {tensor_cores} | {in_flight} |"
         )
 
 

@@ -453,8 +453,8 @@ def test_model_triton_equals_torch(preset, backend):
 def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, monkeypatch):
     """The interpreter skips Triton's compiler: build every launch of a forward and backward (and of a decode
     step) for sm_90 with each config the tuner would try, at widths that are not multiples of 16 (as the 47M
-    model's 412 and 76), and check what the binaries would use: no register spills, async tile loads, tensor-core
-    products overlapping the loads."""
+    model's 412 and 76), and check what the binaries would use: no register spills, async tile loads kept in
+    flight across steps, tensor-core products overlapping the loads."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from switchhead.kernels import gpu_build, triton_kernels
 
@@ -477,6 +477,9 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
             assert build.stack_bytes == 0, (launch.kernel, config, build)
             if launch.kernel != "_gather_kernel":  # the decode kernel reads unpadded rows
                 assert build.async_copies and (build.tensor_cores or dtype == torch.float32), (launch.kernel, build)
+                # Tile loads for later steps stay in flight while a step computes (the weight gradient's did
+                # not while it loaded its pair ids in the step that used them).
+                assert build.copies_in_flight, (launch.kernel, config, build)
             # Every wgmma build keeps a product in flight while it loads the next tiles (the gated weight
             # gradient did not, when the gate scaled the operand that wgmma reads from shared memory only).
             assert build.mma_in_flight is not False, (launch.kernel, config, build)

@@ -5,7 +5,8 @@ the recorded arguments are exactly what a CUDA run passes. `build` compiles one 
 autotune configs through Triton's own argument specialisation (pointer alignment, integers equal to 1 folded,
 integers divisible by 16 marked) for a CUDA architecture, and reads registers and stack (spills) from the
 binary with the cuobjdump that ships with Triton, shared memory from the build, and whether the main loop got
-async copies and tensor-core instructions (kept in flight, for wgmma) from the PTX.
+async copies (some kept in flight while a step computes) and tensor-core instructions (kept in flight, for
+wgmma) from the PTX.
 
 Nothing here measures speed; it catches builds that cannot be fast: register spills, scalar loads, no
 pipelining. Used by `benchmarks/kernel_resources.py` and the tests.
@@ -38,6 +39,9 @@ class Build:
     stack_bytes: int  # per thread; > 0 means spills (the kernels keep no local arrays)
     shared_bytes: int
     async_copies: bool  # cp.async in the PTX: tile loads are vectorised and pipelined
+    # With cp.async: whether the main loop waits for all but some of the copies issued (a wait_group N > 0),
+    # so that loads for later steps stay in flight while this one computes; None without cp.async.
+    copies_in_flight: bool | None
     tensor_cores: bool  # tensor-core instructions in the PTX: mma.sync, wgmma (sm_90) or tcgen05.mma (sm_100)
     # With wgmma (sm_90): whether one is left in flight while the next tile is loaded and issued (a wait for at
     # most N > 0 pending groups) rather than each awaited before going on; None without wgmma.
@@ -132,11 +136,13 @@ def build(launch: Launch, config=None, arch: int = 90) -> Build:
     fields = dict(item.split(":", 1) for item in usage.split() if item.split(":", 1)[0] in ("REG", "STACK"))
     ptx = compiled.asm["ptx"]
     waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)]
+    copy_waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
     return Build(
         registers=int(fields["REG"]),
         stack_bytes=int(fields["STACK"]),
         shared_bytes=compiled.metadata.shared,
         async_copies="cp.async" in ptx,
+        copies_in_flight=max(copy_waits) > 0 if copy_waits else None,
         tensor_cores=any(op in ptx for op in ("mma.sync", "wgmma", "tcgen05.mma")),
         mma_in_flight=max(waits) > 0 if waits else None,
         atomics=tuple(sorted(set(re.findall(r"\b(?:atom|red)\.[\w.]+", ptx)))),

@@ -378,10 +378,17 @@ def _weight_grad_kernel(
     # One program owns the whole [BLOCK_K, BLOCK_N] block of dW[expert] (of its chunk's partial sum when split)
     # and visits its pairs in sorted order, so the float summation order is fixed: bit-identical run to run.
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    # The pair ids of each step are loaded one step ahead, into a loop-carried value. Loaded in the step that
+    # uses them, they made the row loads indirect, and Triton's pipeliner then kept no tile load in flight across
+    # the wait at the top of the loop (`gpu_build.Build.copies_in_flight`); carried, the row loads are issued
+    # two steps ahead, as the grouped kernel's are.
+    offs_p = start + tl.arange(0, BLOCK_P)
+    pair_next = tl.load(order_ptr + offs_p, mask=offs_p < end, other=0)
     for i in range(0, (end - start + BLOCK_P - 1) // BLOCK_P):
         offs_p = start + i * BLOCK_P + tl.arange(0, BLOCK_P)
         mask_p = offs_p < end
-        pair = tl.load(order_ptr + offs_p, mask=mask_p, other=0).to(tl.int64)
+        pair = pair_next.to(tl.int64)
+        pair_next = tl.load(order_ptr + offs_p + BLOCK_P, mask=offs_p + BLOCK_P < end, other=0)
         xt = tl.load(
             x_ptr + (pair // X_PER)[None, :] * stride_x + offs_k[:, None],
             mask=mask_k[:, None] & mask_p[None, :],
