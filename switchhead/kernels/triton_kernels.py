@@ -380,8 +380,8 @@ def _weight_grad_kernel(
     acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
     # The pair ids of each step are loaded one step ahead, into a loop-carried value. Loaded in the step that
     # uses them, they made the row loads indirect, and Triton's pipeliner then kept no tile load in flight across
-    # the wait at the top of the loop (`gpu_build.Build.copies_in_flight`); carried, the row loads are issued
-    # two steps ahead, as the grouped kernel's are.
+    # the wait at the top of the loop (`gpu_build.Build.copies_in_flight`); carried, the row loads are pipelined
+    # like the grouped kernel's.
     offs_p = start + tl.arange(0, BLOCK_P)
     pair_next = tl.load(order_ptr + offs_p, mask=offs_p < end, other=0)
     for i in range(0, (end - start + BLOCK_P - 1) // BLOCK_P):
@@ -401,7 +401,7 @@ def _weight_grad_kernel(
         )
         if HAS_GATE:
             gv = tl.load(gate_ptr + pair, mask=mask_p, other=0.0).to(tl.float32)
-            if PRECISION == "ieee":  # FMA units: scaling x instead spilled one fp32 tile (24 bytes)
+            if PRECISION == "ieee":  # FMA units: scaling x instead spilled an fp32 tile (the sm_90 build test)
                 g = (g.to(tl.float32) * gv[:, None]).to(xt.dtype)
             else:
                 # On tensor cores the gate scales x, the dot's first operand, which a Hopper wgmma may read from

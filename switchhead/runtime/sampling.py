@@ -128,6 +128,13 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
     return tuple(sorted((int(t), float(v)) for t, v in pairs)) or None
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """A SwitchheadError when `params.logit_bias` names a token outside a vocabulary of `vocab_size` pieces."""
+    outside = [t for t, _ in params.logit_bias or () if t >= vocab_size]
+    if outside:
+        raise SwitchheadError(f"logit-bias names token {outside[0]}, outside the vocabulary (ids 0..{vocab_size - 1})")
+
+
 def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """CTRL-style penalty on tokens already in the context (`seen` [B, V] bool): positive logits are divided
     by `penalty`, negative ones multiplied, so a penalty > 1 always makes a seen token less likely."""
@@ -162,10 +169,7 @@ class TokenHistory:
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             self.counts = torch.zeros(rows, vocab_size, dtype=torch.int32)
         if params.logit_bias:
-            outside = [t for t, _ in params.logit_bias if t >= vocab_size]
-            if outside:
-                raise SwitchheadError(f"logit-bias names token {outside[0]}, outside the vocabulary "
-                                      f"(ids 0..{vocab_size - 1})")
+            check_logit_bias(params, vocab_size)
             self.bias = torch.zeros(vocab_size, dtype=torch.float64)
             ids, values = zip(*params.logit_bias)
             self.bias[list(ids)] = torch.tensor(values, dtype=torch.float64)

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from switchhead.errors import SwitchheadError, brief, is_finite_number, is_int
-from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
+from switchhead.runtime.sampling import SamplingParams, check_logit_bias, seed_or_random, seed_plus
 
 # The engine reports "eos" when the model ends the text; OpenAI calls every natural end "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -102,16 +102,15 @@ _API_NAMES = {"max-new-tokens": "max_tokens", "temperature": "temperature", "top
               "frequency-penalty": "frequency_penalty", "logit-bias": "logit_bias", "seed": "seed", "stop": "stop"}
 
 
-def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+def _logit_bias(body: dict) -> dict[int, float] | None:
     """OpenAI's logit_bias: an object from token ids (as JSON keys: decimal strings) to biases."""
     bias = _get(body, "logit_bias", "object", None)
     if bias is None:
         return None
     out = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab_size:
-            raise bad(f"'logit_bias' keys must be token ids in [0, {vocab_size - 1}], got {_show(key)}",
-                      "logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad(f"'logit_bias' keys must be token ids (decimal integers), got {_show(key)}", "logit_bias")
         if not is_finite_number(value):
             raise bad(f"'logit_bias' values must be numbers, got {_show(value)} for token {key}", "logit_bias",
                       "invalid_type")
@@ -197,7 +196,8 @@ def parse_completion(body, model_name: str, limits: Limits, encode, vocab_size: 
             repetition_penalty=_get(body, "repetition_penalty", "num", 1.0),
             presence_penalty=_get(body, "presence_penalty", "num", 0.0),
             frequency_penalty=_get(body, "frequency_penalty", "num", 0.0),
-            logit_bias=_logit_bias(body, vocab_size), seed=seed, stop=stops)
+            logit_bias=_logit_bias(body), seed=seed, stop=stops)
+        check_logit_bias(params, vocab_size)  # here, so that the request is refused before it is queued
     except SwitchheadError as e:
         msg = str(e)
         param = next((api for name, api in _API_NAMES.items() if msg.startswith(name)), None)

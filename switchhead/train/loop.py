@@ -486,7 +486,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     logits, piece_memory = train_model(x[lanes], None if prev is None else prev[:, lanes])
                     lm_loss = F.cross_entropy(logits.float().flatten(0, 1), y[lanes].flatten())
                     loss = lm_loss + model.aux_loss().float()
-                scaler.scale(loss if opts.grad_accum == 1 else loss / opts.grad_accum).backward()
+                scaler.scale(loss / opts.grad_accum).backward()
             pieces.append(lm_loss.detach())
             new_memory.append(piece_memory)
         if opts.grad_accum == 1:
