@@ -107,12 +107,11 @@ def main() -> None:
         n = len(builds)
         wgmma = [b.mma_in_flight for b in builds if b.mma_in_flight is not None]
         in_flight = f"{sum(wgmma)}/{len(wgmma)}" if wgmma else "n/a"  # of the builds that use wgmma
-        if step == "decode":  # stages nothing through shared memory and multiplies on the CUDA cores, by design
-            async_copies = loads_in_flight = tensor_cores = "n/a"
-        else:
-            async_copies = f"{sum(b.async_copies for b in builds)}/{n}"
-            loads_in_flight = f"{sum(bool(b.copies_in_flight) for b in builds)}/{n}"
-            tensor_cores = f"{sum(b.tensor_cores for b in builds)}/{n}"
+        async_copies = f"{sum(b.async_copies for b in builds)}/{n}"
+        loads_in_flight = f"{sum(bool(b.copies_in_flight) for b in builds)}/{n}"
+        tensor_cores = f"{sum(b.tensor_cores for b in builds)}/{n}"
+        if step == "decode":  # a vector per output row: the CUDA cores, by design
+            tensor_cores = "n/a"
         print(
             f"| {precision} | {step} | {n} | {max(b.registers for b in builds)} | {spills} "
             f"| {max(b.stack_bytes for b in builds)} | {max(b.shared_bytes for b in builds) / 1024:.1f} "

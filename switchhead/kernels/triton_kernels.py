@@ -463,36 +463,43 @@ def _sm_count(device: torch.device) -> int:
 @triton.jit
 def _gather_kernel(
     x_ptr, w_ptr, index_ptr, gate_ptr, out_ptr,
-    D_IN, D_OUT, X_PER, C_PER,
-    stride_x, stride_we, stride_wk, stride_wn, stride_out,
-    HAS_GATE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_IN, D_OUT: tl.constexpr, X_PER, C_PER,
+    stride_x, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn, stride_out,
+    HAS_GATE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
+    # D_OUT and the weight's strides are compile-time constants so that Triton knows how the expert rows are
+    # aligned: as plain arguments, a width that is not a multiple of 16 (the 47M model's 76 and 412) gave
+    # element-by-element weight loads at 16-bit precisions that could not be staged asynchronously. A model has
+    # a handful of such widths, so this is a handful of builds.
+    #
     # Output row `row` = n*R + r receives the C_PER consecutive pairs row*C_PER .. row*C_PER + C_PER - 1:
-    # the slot reduction is a plain loop here, deterministic and without atomics.
+    # the slot reduction is part of the loop, deterministic and without atomics. One flat loop over (pair,
+    # K block) lets Triton's pipeliner keep the next steps' weight tiles (and expert ids) in flight: this kernel
+    # has few programs (a row of a token per program), so it waits on memory latency, not bandwidth.
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D_OUT
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.full((BLOCK_N,), 0.0, tl.float32)
-    for j in range(0, C_PER):
-        pair = row * C_PER + j
+    k_steps = (D_IN + BLOCK_K - 1) // BLOCK_K
+    # Products are added into a [BLOCK_K, BLOCK_N] tile and reduced over K once at the end: reducing every step's
+    # tile made each step a cross-warp reduction (shuffles and block barriers).
+    acc = tl.full((BLOCK_K, BLOCK_N), 0.0, tl.float32)
+    for t in tl.range(0, C_PER * k_steps, num_stages=STAGES):
+        pair = row * C_PER + t // k_steps
+        k0 = (t % k_steps) * BLOCK_K
         expert = tl.load(index_ptr + pair)
-        x_row = x_ptr + (pair // X_PER) * stride_x
-        w_expert = w_ptr + expert * stride_we
-        part = tl.full((BLOCK_N,), 0.0, tl.float32)
-        for k in range(0, (D_IN + BLOCK_K - 1) // BLOCK_K):
-            mask_k = offs_k < D_IN - k * BLOCK_K
-            xv = tl.load(x_row + k * BLOCK_K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            w = tl.load(
-                w_expert + (k * BLOCK_K + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0.0,
-            )
-            part += tl.reduce(xv[:, None] * w.to(tl.float32), 0, _add)
+        mask_k = offs_k < D_IN - k0
+        xv = tl.load(x_ptr + (pair // X_PER) * stride_x + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         if HAS_GATE:
-            part *= tl.load(gate_ptr + pair).to(tl.float32)
-        acc += part
-    tl.store(out_ptr + row * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+            xv *= tl.load(gate_ptr + pair).to(tl.float32)
+        w = tl.load(
+            w_ptr + expert * stride_we + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        acc += xv[:, None] * w.to(tl.float32)
+    out = tl.reduce(acc, 0, _add)
+    tl.store(out_ptr + row * stride_out + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def _gather(x2: Tensor, x_per: int, weight: Tensor, index: Tensor, gate: Tensor | None, rows: int, c_per: int):
@@ -503,7 +510,8 @@ def _gather(x2: Tensor, x_per: int, weight: Tensor, index: Tensor, gate: Tensor 
         x2, weight, index, gate if gate is not None else x2, out,
         d_in, d_out, x_per, c_per,
         x2.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0),
-        HAS_GATE=gate is not None, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=1 if _INTERPRETED else 4, **_BUILD,
+        HAS_GATE=gate is not None, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=3,
+        num_warps=1 if _INTERPRETED else 4, **_BUILD,
     )  # fmt: skip
     return out
 
