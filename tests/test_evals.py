@@ -200,20 +200,37 @@ def test_text_perplexity_matches_a_naive_loop_per_lane(env, tmp_path, lanes):
     path.write_text(text)
     m64 = copy.deepcopy(model).double()
     (row,) = text_perplexity(TorchBackend(m64), sp, [path], lanes, progress=False)
-    # The file is one document followed by EOS, cut into `lanes` contiguous lanes (a lane's first token is
-    # context only), each scored over chunks with memory by the float64 loop.
+    # The file is one document followed by EOS. Its tokens but the first are cut into `lanes` contiguous lanes of
+    # targets, each lane starting from the token before its first target, and scored over chunks with memory by
+    # the float64 loop.
     stream = np.array(sp.encode(text) + [sp.eos_id()])
-    lane_len, nll = len(stream) // lanes, 0.0
+    lane_len, nll = -(-(len(stream) - 1) // lanes), 0.0
     assert lane_len > 3 * m64.config.chunk_len  # several chunks per lane
     for b in range(lanes):
-        ids = torch.from_numpy(stream[b * lane_len:(b + 1) * lane_len])
+        ids = torch.from_numpy(stream[b * lane_len:(b + 1) * lane_len + 1])
         logp = naive.lm_forward(m64, ids).log_softmax(-1)
         nll -= float(logp[:-1].gather(1, ids[1:, None]).sum())
-    count = lanes * (lane_len - 1)
+    count = len(stream) - 1  # every token but the first: bits per byte cover the whole file
     assert (row["tokens"], row["lanes"]) == (count, lanes)
     assert row["loss"] == pytest.approx(nll / count, rel=1e-10)
     assert row["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-10)
     assert row["bits_per_byte"] == pytest.approx(nll / math.log(2) / len(text.encode()), rel=1e-10)
+
+
+def test_text_perplexity_of_a_short_file_scores_every_token(env, tmp_path):
+    """More lanes than the file has chunks: the lanes stay a chunk long, and no token but the first goes unscored
+    (so bits per byte, over the whole file's size, are not flattered by tokens left out)."""
+    from switchhead.evals.text import text_perplexity
+    from switchhead.runtime import TorchBackend
+
+    _, _, model, sp = env
+    path = tmp_path / "short.txt"
+    path.write_text(passage(random.Random(7), 4))
+    n = len(sp.encode(path.read_text())) + 1
+    chunk_len = model.config.chunk_len
+    assert n > 2 * chunk_len
+    (row,) = text_perplexity(TorchBackend(model), sp, [path], 64, progress=False)
+    assert row["tokens"] == n - 1 and row["lanes"] == -(-(n - 1) // chunk_len)
 
 
 def test_cli_text_perplexity_same_for_checkpoint_and_onnx_export(env, tmp_path):

@@ -10,7 +10,15 @@ from switchhead.errors import SwitchheadError
 from switchhead.model.config import PRESETS
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import train_tokenizer, unwrap_paragraphs
-from switchhead.train.data import LaneBatcher, TokenStream, cached_tokens, eval_chunks, load_stream
+from switchhead.train.data import (
+    IGNORE,
+    LaneBatcher,
+    TokenStream,
+    cached_tokens,
+    eval_chunks,
+    eval_lanes,
+    load_stream,
+)
 
 
 def _corpus(path, n_lines=300, seed=0):
@@ -75,17 +83,33 @@ def test_memory_carries_across_steps(tmp_path):
     assert not torch.allclose(stepped[:, 16:], fresh[:, 16:], atol=1e-3)
 
 
-def test_eval_chunks_score_every_token_once():
-    stream = TokenStream([np.arange(103)])
-    chunks = list(eval_chunks(stream, n_lanes=4, chunk_len=8))
+@pytest.mark.parametrize("n, lanes, chunk_len", [(103, 4, 8), (100, 4, 8), (9, 4, 2), (2, 4, 8), (103, 64, 8)])
+def test_eval_chunks_score_every_token_but_the_first_once(n, lanes, chunk_len):
+    stream = TokenStream([np.arange(10, 10 + n)])
+    chunks = list(eval_chunks(stream, n_lanes=lanes, chunk_len=chunk_len))
+    assert all(x.shape == y.shape and x.shape[1] <= chunk_len for x, y in chunks)
+    inputs = np.concatenate([x for x, _ in chunks], axis=1)
     targets = np.concatenate([y for _, y in chunks], axis=1)
-    lane_len = 103 // 4
-    assert targets.shape == (4, lane_len - 1)
-    assert (targets == np.arange(4)[:, None] * lane_len + np.arange(1, lane_len)).all()
-    assert all(x.shape == y.shape and (y == x + 1).all() for x, y in chunks)
+    scored = targets[targets != IGNORE]
+    assert sorted(scored.tolist()) == list(range(11, 10 + n))  # every token but the first, once
+    n_lanes = eval_lanes(lanes, n, chunk_len)
+    assert targets.shape[0] == n_lanes <= lanes
+    # Lanes are never cut shorter than a chunk just to have more of them, and none is empty.
+    assert n_lanes == 1 or targets.shape[1] >= chunk_len
+    assert ((targets != IGNORE).sum(1) > 0).all()
+    # Each target follows its input (padding only at the end of the last lane), so the lane's inputs are its
+    # true preceding text.
+    real = targets != IGNORE
+    assert (targets[real] == inputs[real] + 1).all()
+    assert all(not real[b, i] or real[b, :i].all() for b in range(n_lanes) for i in range(targets.shape[1]))
     # Split across two ranks, the lanes are disjoint and complete.
-    both = [list(eval_chunks(stream, 4, 8, lanes=r)) for r in ([0, 2], [1, 3])]
-    assert sum(c[0][0].shape[0] for c in both) == 4
+    both = [list(eval_chunks(stream, lanes, chunk_len, lanes=range(r, n_lanes, 2))) for r in (0, 1)]
+    assert sum(c[0][0].shape[0] for c in both if c) == n_lanes
+
+
+def test_eval_chunks_refuse_a_stream_without_targets():
+    with pytest.raises(SwitchheadError, match="too short: 1 tokens"):
+        list(eval_chunks(TokenStream([np.arange(1)]), 4, 8))
 
 
 def test_token_cache_is_keyed_by_content_and_tokenizer(tmp_path):

@@ -1,9 +1,10 @@
 """Held-out perplexity of a model on text files, measured as training's validation measures it.
 
-Each file is one document followed by EOS, cut into contiguous lanes (more lanes: more tokens per forward, a
-little less context at each lane's start) that are fed chunk by chunk with the XL state carried over, so every
-token after a lane's first is scored with its true preceding context. Works through the runtime's backends, so
-a checkpoint and its ONNX export are scored by the same code.
+Each file is one document followed by EOS, cut into contiguous lanes (more lanes: more tokens per forward, less
+context for the tokens at each lane's start; never lanes shorter than a chunk) that are fed chunk by chunk with
+the XL state carried over. Every token but the file's first is scored exactly once, so bits per byte divide the
+loss of (almost) the whole file by its size. Works through the runtime's backends, so a checkpoint and its ONNX
+export are scored by the same code.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def text_perplexity(backend, tokenizer, paths: Sequence[str | Path], lanes: int,
     for path in map(Path, paths):
         stream = TokenStream([encode_file(tokenizer, path, unwrap=unwrap)])
         label = f"perplexity {path.name}" if progress else None
-        nll, count = stream_nll(backend.logits, stream, lanes, backend.config.chunk_len, progress=label)
+        chunk_len = backend.config.chunk_len
+        nll, count = stream_nll(backend.logits, stream, lanes, chunk_len, progress=label)
         total = float(nll)
         loss = total / count
-        rows.append({"file": str(path), "tokens": count, "lanes": eval_lanes(lanes, len(stream)),
+        rows.append({"file": str(path), "tokens": count, "lanes": eval_lanes(lanes, len(stream), chunk_len),
                      "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
                      "bits_per_byte": total / math.log(2) / path.stat().st_size})
     return rows

@@ -214,28 +214,49 @@ class LaneBatcher:
         return block[:, :-1], block[:, 1:]
 
 
-def eval_lanes(n_lanes: int, n_tokens: int) -> int:
-    """Lanes a stream of `n_tokens` is cut into for evaluation: `n_lanes`, fewer if the stream is short."""
-    return max(1, min(n_lanes, n_tokens // 2))
+# Target of the padding at the end of the last evaluation lane: F.cross_entropy's default ignore_index.
+IGNORE = -100
+
+
+def eval_lanes(n_lanes: int, n_tokens: int, chunk_len: int) -> int:
+    """Lanes a stream of `n_tokens` is cut into for evaluation: `n_lanes`, fewer when the stream is short. A lane
+    is never made shorter than one chunk for the sake of more lanes: that would not save a forward pass, only
+    take context from the tokens at the lanes' starts."""
+    targets = n_tokens - 1
+    if targets < 1:
+        raise SwitchheadError(f"evaluation data too short: {n_tokens} tokens")
+    lanes = max(1, min(n_lanes, -(-targets // chunk_len)))
+    return -(-targets // _lane_len(n_tokens, lanes))  # so that the last lane keeps at least one target
+
+
+def _lane_len(n_tokens: int, n_lanes: int) -> int:
+    """Targets per evaluation lane (the last lane may have fewer)."""
+    return -(-(n_tokens - 1) // n_lanes)
 
 
 def eval_chunks(stream: TokenStream, n_lanes: int, chunk_len: int, lanes: Sequence[int] | None = None):
-    """Yield (inputs, targets) chunks covering every token of `stream` (but the first of each lane) once.
+    """Yield (inputs, targets) chunks that score every token of `stream` but its first exactly once.
 
-    The stream is cut into `n_lanes` contiguous lanes (fewer when it is short); the last chunk may be shorter
-    than `chunk_len`. Feeding the chunks in order with memory gives every token its true preceding context.
+    The targets are cut into `eval_lanes` contiguous lanes; each lane's inputs start one token earlier (the
+    previous lane's last target), so a lane's first target is scored with one token of context and each later
+    one with all the lane's tokens before it. The last lane may be shorter: its end is padded with targets
+    IGNORE. The last chunk may be shorter than `chunk_len`. Feeding the chunks in order with memory gives every
+    token its true preceding context within its lane.
     """
-    n_lanes = eval_lanes(n_lanes, len(stream))
-    lane_len = len(stream) // n_lanes
-    if lane_len < 2:
-        raise SwitchheadError(f"evaluation data too short: {len(stream)} tokens")
+    n_lanes = eval_lanes(n_lanes, len(stream), chunk_len)
+    lane_len = _lane_len(len(stream), n_lanes)
     chosen = list(range(n_lanes)) if lanes is None else [b for b in lanes if b < n_lanes]
     if not chosen:
         return
-    block = np.stack([stream.slice(b * lane_len, (b + 1) * lane_len) for b in chosen])
-    for start in range(0, lane_len - 1, chunk_len):
-        stop = min(start + chunk_len, lane_len - 1)
-        yield block[:, start:stop], block[:, start + 1 : stop + 1]
+    block = np.zeros((len(chosen), lane_len + 1), dtype=np.int64)
+    target = np.full((len(chosen), lane_len), IGNORE, dtype=np.int64)
+    for row, b in enumerate(chosen):
+        ids = stream.slice(b * lane_len, min((b + 1) * lane_len + 1, len(stream)))
+        block[row, : len(ids)] = ids
+        target[row, : len(ids) - 1] = ids[1:]
+    for start in range(0, lane_len, chunk_len):
+        stop = min(start + chunk_len, lane_len)
+        yield block[:, start:stop], target[:, start:stop]
 
 
 def stream_nll(logits_fn, stream: TokenStream, n_lanes: int, chunk_len: int, lanes: Sequence[int] | None = None,
@@ -243,20 +264,20 @@ def stream_nll(logits_fn, stream: TokenStream, n_lanes: int, chunk_len: int, lan
     """Summed negative log-likelihood (float64, on the logits' device) and the number of tokens scored, over the
     `eval_chunks` of `stream`: each chunk (ids [L, t], int64 on the CPU) goes through `logits_fn(ids, state) ->
     (logits [L, t, V], state)` with the state the previous chunk returned (None first), so every token is scored
-    with its true preceding context. `progress`: a progress-bar label, or None for no bar."""
+    with its lane's tokens before it as context. `progress`: a progress-bar label, or None for no bar."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 
     chunks = eval_chunks(stream, n_lanes, chunk_len, lanes=lanes)
-    total = -(-(len(stream) // eval_lanes(n_lanes, len(stream)) - 1) // chunk_len)
+    total = -(-_lane_len(len(stream), eval_lanes(n_lanes, len(stream), chunk_len)) // chunk_len)
     nll, count, state = None, 0, None
     for x, y in tqdm(chunks, total=total, desc=progress, disable=progress is None, unit="chunk", leave=False):
         logits, state = logits_fn(torch.from_numpy(np.ascontiguousarray(x)), state)
+        count += int((y != IGNORE).sum())  # counted on the host: no device sync per chunk
         y = torch.from_numpy(np.ascontiguousarray(y)).to(logits.device)
         # Half-precision logits (autocast) are widened; float32 and float64 ones are scored as they are.
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        part = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
+        part = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE).double()
         nll = part if nll is None else nll + part
-        count += y.numel()
     return nll, count

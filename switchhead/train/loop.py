@@ -180,7 +180,7 @@ def evaluate(
     model.eval()
     rank, world = _rank(), _world()
     cfg = model.config
-    lanes = range(rank, eval_lanes(n_lanes, len(stream)), world)
+    lanes = range(rank, eval_lanes(n_lanes, len(stream), cfg.chunk_len), world)
 
     def logits(x: torch.Tensor, memory: torch.Tensor | None):
         with _autocast(device, amp_dtype):
