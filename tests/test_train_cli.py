@@ -226,8 +226,9 @@ def test_resume_without_a_checkpoint(corpus, tmp_path):
     _assert_untouched(out, kept)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--lr", "inf"), ("--grad-clip", "nan"), ("--grad-clip", "inf")])
-def test_non_finite_options(corpus, tmp_path, flag, value):
+@pytest.mark.parametrize(("flag", "value"), [("--lr", "inf"), ("--grad-clip", "nan"), ("--grad-clip", "inf"),
+                                           ("--seed", str(2**64)), ("--seed", "-1")])
+def test_non_finite_options(corpus, tmp_path, flag, value):  # and seeds torch.manual_seed cannot take
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, flag, value), flag)
     assert not (tmp_path / "o").exists()
 

@@ -28,6 +28,7 @@ from switchhead.model.checkpoint import save
 from switchhead.model.config import ModelConfig, resolve_config
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from switchhead.runtime.sampling import SEED_LIMIT, seed_plus
 from switchhead.train.data import (
     LaneBatcher,
     TokenStream,
@@ -295,6 +296,8 @@ def _validate(opts: TrainOptions) -> None:
         raise SwitchheadError(f"--lr must be at most {_MAX_LR:.1e} (AdamW's step overflows float32), got {opts.lr}")
     if not is_int(opts.warmup) or opts.warmup < 0:
         raise SwitchheadError(f"--warmup must be an integer >= 0, got {opts.warmup!r}")
+    if not is_int(opts.seed) or not 0 <= opts.seed < SEED_LIMIT:
+        raise SwitchheadError(f"--seed must be an integer in [0, 2**64 - 1], got {opts.seed!r}")
     if opts.grad_clip is not None and (not is_finite_number(opts.grad_clip) or opts.grad_clip < 0):
         raise SwitchheadError(
             f"--grad-clip must be a finite number >= 0 (0 disables clipping), got {opts.grad_clip}"
@@ -385,9 +388,10 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     # draws from a per-rank stream so ranks do not repeat each other's masks.
     torch.manual_seed(opts.seed)
     model = TransformerLM(config).to(device)
-    torch.manual_seed(opts.seed * 1000 + 1 + rank)
+    stream_seed = seed_plus(opts.seed * 1000, 1 + rank)  # wraps modulo 2**64, as torch's seeds must
+    torch.manual_seed(stream_seed)
     if device.type == "cuda":
-        torch.cuda.manual_seed(opts.seed * 1000 + 1 + rank)
+        torch.cuda.manual_seed(stream_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
