@@ -117,6 +117,9 @@ def _edit_weights(path, fn):
     (lambda p: _edit_weights(p, lambda t: t.update({"out.bias": t["out.bias"].int()})),
      "out.bias has dtype int32, the model expects a floating-point dtype"),
     (lambda p: _edit_weights(p, lambda t: t.update({"out.bias": t["out.bias"].bool()})), "out.bias has dtype bool"),
+    (lambda p: _edit_weights(p, lambda t: t["out.bias"].__setitem__(3, float("nan"))), "out.bias has NaN or inf"),
+    (lambda p: _edit_weights(p, lambda t: t["embed.weight"].__setitem__((0, 1), -float("inf"))),
+     "embed.weight has NaN"),
     (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
                                                           "n_layers": 3})), "missing blocks.2"),
     (lambda p: (p / "tokenizer.model").write_bytes(b"garbage"), "tokenizer.model is corrupt"),
@@ -153,3 +156,10 @@ def test_checkpoint_gets_ordinary_permissions(tmp_path):
         os.umask(old)
     assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o755
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in (tmp_path / "ck").iterdir())
+
+
+def test_weights_that_overflow_the_requested_dtype_are_refused(ckpt):
+    _edit_weights(ckpt, lambda t: t["out.bias"].__setitem__(0, 1e6))  # finite in float32, inf in float16
+    switchhead.load(ckpt)
+    with pytest.raises(CheckpointError, match="out.bias overflows float16"):
+        switchhead.load(ckpt, dtype=torch.float16)

@@ -286,14 +286,14 @@ def test_diverging_run_stops_without_saving_nan_weights(corpus, tmp_path):
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 1
     model, _ = switchhead.load(out / "checkpoint")
     assert all(p.isfinite().all() for p in model.parameters())
-    # A NaN checkpoint (written before these checks existed) resumed at its last step: final/ is not made of it.
+    # A NaN checkpoint (written before these checks existed) is refused when it is read: final/ is not made of it.
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(out / "checkpoint" / "model.safetensors"))
     weights["out.bias"][0] = float("nan")
     save_file(weights, str(out / "checkpoint" / "model.safetensors"))
     _assert_user_error(_run("--out", out, "--resume", "--steps", 1, "--no-progress"),
-                       "diverged at step 1: the weights are not finite")
+                       "checkpoint/model.safetensors: tensor out.bias has NaN or infinite values")
     assert not (out / "final").exists()
     # Caught at the loss, before the first save: the step is the first with a NaN loss, and nothing is logged.
     out = tmp_path / "run2"

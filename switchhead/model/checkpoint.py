@@ -140,8 +140,14 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
         if not tensors[k].dtype.is_floating_point:  # every weight of the model is
             raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has dtype {str(tensors[k].dtype)[6:]}, the model "
                                   "expects a floating-point dtype")
+    stored = tensors
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    for k, t in tensors.items():  # a NaN or inf weight raises nothing later: every output is NaN, garbage text
+        if not bool(torch.isfinite(t).all()):
+            problem = "has NaN or infinite values" if t is stored[k] or not bool(torch.isfinite(stored[k]).all()) \
+                else f"overflows {str(dtype)[6:]}"
+            raise CheckpointError(f"{path / WEIGHTS}: tensor {k} {problem}")
     model.load_state_dict(tensors, assign=True)
     model.eval()
     return model, read_tokenizer(path / TOKENIZER, config)
