@@ -211,8 +211,8 @@ def train(ctx, **params):
               help="Subtract from the logit of every token generated so far, in [-2, 2] (OpenAI's).")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
               help="Subtract this times its count so far from each generated token's logit, in [-2, 2].")
-@click.option("--seed", type=int, help="Same seed, same text (default: random); 0 to 2**64-1. Line i of a prompts "
-              "file uses seed + i.")
+@click.option("--seed", type=int, help="Same seed, same text (default: random); 0 to 2**64-1. The i-th prompt of a "
+              "prompts file (counting from 0, blank lines skipped) uses seed + i.")
 @click.option("--stop", multiple=True,
               help="Stop before this string (repeatable; taken literally: in bash, $'\\n' is a newline).")
 @click.option("--prompts-file", type=click.Path(), help="Text lines or JSONL with a \"prompt\" field; "
@@ -225,15 +225,11 @@ def train(ctx, **params):
 def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
              presence_penalty, frequency_penalty, seed, stop, prompts_file, batch_size, as_json, device, threads):
     """Continue PROMPT (or stdin) with a trained model, streaming the text."""
+    from switchhead.devices import set_threads
     from switchhead.runtime.commands import run_generate
     from switchhead.runtime.sampling import SamplingParams
 
-    if threads is not None:
-        if threads < 1:
-            raise SwitchheadError(f"threads must be >= 1, got {threads}")
-        import torch
-
-        torch.set_num_threads(threads)
+    set_threads(threads)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, seed=seed, stop=stop)
@@ -359,13 +355,9 @@ def serve(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_
     """OpenAI-compatible HTTP server (/v1/completions, /v1/models, /health) with continuous batching.
 
     See docs/SERVE.md."""
+    from switchhead.devices import set_threads
     from switchhead.serve.server import run_server
 
-    if threads is not None:
-        if threads < 1:
-            raise SwitchheadError(f"threads must be >= 1, got {threads}")
-        import torch
-
-        torch.set_num_threads(threads)
+    set_threads(threads)
     run_server(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens,
                model_name=model_name, device=device)

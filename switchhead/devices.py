@@ -8,6 +8,19 @@ import torch
 
 from switchhead.errors import SwitchheadError
 
+# More CPU threads than this are refused: OpenMP crashed the process (a segfault, no message) when asked for
+# 100,000, and no machine this runs on has a use for more.
+MAX_THREADS = 1024
+
+
+def set_threads(threads: int | None) -> None:
+    """Use `threads` CPU threads for torch (None: leave torch's choice)."""
+    if threads is None:
+        return
+    if not 1 <= threads <= MAX_THREADS:
+        raise SwitchheadError(f"--threads must be between 1 and {MAX_THREADS}, got {threads}")
+    torch.set_num_threads(threads)
+
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """`device` (default: cpu) as a torch.device, if a model can run there on this machine."""

@@ -1,5 +1,6 @@
 """Generation end to end: detokenisation, stop strings, seeds, batching, and the `switchhead generate` CLI."""
 
+import copy
 import json
 import random
 import re
@@ -270,7 +271,12 @@ def _bad_ckpts(tmp_path, model):
     (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
     no_tok = tmp_path / "no_tok"
     switchhead.save(no_tok, model, None)
-    return {"not found": missing, "corrupt": corrupt, "no tokenizer": no_tok}
+    nan = tmp_path / "nan"
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        next(broken.parameters()).view(-1)[0] = float("nan")
+    switchhead.save(nan, broken, None)
+    return {"not found": missing, "corrupt": corrupt, "no tokenizer": no_tok, "nan": nan}
 
 
 @pytest.mark.parametrize("args,message", [
@@ -291,6 +297,9 @@ def _bad_ckpts(tmp_path, model):
     (["hi", "--ckpt", "BAD:not found"], "not found"),
     (["hi", "--ckpt", "BAD:corrupt"], "corrupt"),
     (["hi", "--ckpt", "BAD:no tokenizer"], "tokenizer"),
+    (["hi", "--ckpt", "BAD:nan"], "has NaN or infinite values"),
+    (["hi", "--ckpt", "CKPT", "--threads", "0"], "--threads must be between 1 and 1024, got 0"),
+    (["hi", "--ckpt", "CKPT", "--threads", "100000"], "--threads must be between 1 and 1024, got 100000"),
     (["hi", "--ckpt", "CKPT", "--device", "meta"], "device 'meta' cannot run a model; use cpu, cuda or mps"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, model, args, message):

@@ -84,12 +84,9 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
     if data_dir is not None and names:
         data.check_data_files(data_dir, names)
 
-    if threads is not None:
-        if threads < 1:
-            raise SwitchheadError(f"--threads must be at least 1, got {threads}")
-        import torch
+    from switchhead.devices import set_threads
 
-        torch.set_num_threads(threads)
+    set_threads(threads)
     from switchhead.evals.lm import SwitchheadLM
 
     lm = SwitchheadLM(ckpt=ckpt, onnx=onnx, model=model, tokenizer=tokenizer, batch_size=batch_size,
