@@ -301,6 +301,14 @@ def test_diverging_run_stops_without_saving_nan_weights(corpus, tmp_path):
                        "diverged at step 2: the training loss is nan; stopped without saving it (no checkpoint")
     assert not (out / "checkpoint").exists() and not (out / "final").exists()
     assert (out / "metrics.jsonl").read_text() == ""
+    # That run left no weights: --resume says so, and a new run (as the error advises) starts over in its --out.
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6, "--no-progress"),
+                       f"cannot resume: the run in {out} stopped before its first checkpoint; run again without")
+    (out / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n')
+    r = _tiny(out, corpus, tmp_path, "--steps", 2, "--log-every", 1)
+    assert r.exit_code == 0, r.output
+    assert (out / "final" / "model.safetensors").exists()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     # A NaN validation loss stops the run too, before it is logged.
     out = tmp_path / "run3"
     r = _tiny(out, corpus, tmp_path, "--lr", "1e6", "--steps", 6, "--eval-data", corpus, "--eval-every", 1)

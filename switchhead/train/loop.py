@@ -426,6 +426,8 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
             )
     if is_main and old_spec is not None:
         truncate_metrics(out / METRICS_FILE, start_step)
+    elif is_main:  # a run started over where one stopped before its first checkpoint
+        (out / METRICS_FILE).unlink(missing_ok=True)
 
     train_model = model
     if _dist_on():

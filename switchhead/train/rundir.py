@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from switchhead.errors import CheckpointError, SwitchheadError
-from switchhead.fileio import check_creatable, read_utf8, write_atomic
+from switchhead.fileio import check_creatable, holds_only, read_utf8, write_atomic
 from switchhead.model.checkpoint import CONFIG
 from switchhead.model.checkpoint import load as load_checkpoint
 from switchhead.model.config import ModelConfig
@@ -150,10 +150,20 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
             raise _no_run_to_resume(out)
         return None
     spec = _read_run_file(run_file)
+    # A run that stopped (diverged, was refused, crashed) before its first checkpoint left no weights: starting
+    # it over there loses nothing a resume could use, and is what the divergence error tells the user to do.
+    never_saved = holds_only(out, {RUN_FILE, TOKENIZER_FILE, METRICS_FILE})
     if not resume:
+        if never_saved:
+            return None
         raise SwitchheadError(
             f"--out {out} already holds a training run; pass --resume to continue it or "
             "choose another directory"
+        )
+    if never_saved:
+        raise CheckpointError(
+            f"cannot resume: the run in {out} stopped before its first checkpoint; run again without --resume "
+            "to start it over"
         )
     _check_resumable(out)
     return spec
