@@ -120,8 +120,11 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 
     If the body raises, the temporary directory is removed and `path` is untouched. An existing `path` is
     moved aside first and deleted only after the new one is in place. Callers decide whether `path` may be
-    replaced at all (`check_output_dir`)."""
+    replaced at all (`check_output_dir`). A symlink is written through, as `write_atomic` does: the directory it
+    points to is replaced and the link kept."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     check_replaceable(path)
     tmp = None
     try:

@@ -100,6 +100,26 @@ def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
     assert [p.name for p in out.iterdir()] == ["b"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_atomic_directory_writes_through_a_symlink(tmp_path):
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "out").mkdir()
+    (tmp_path / "disk" / "out" / "old").write_text("0")
+    (tmp_path / "here").mkdir()
+    link = tmp_path / "here" / "out"
+    link.symlink_to(tmp_path / "disk" / "out")
+    with fileio.atomic_directory(link) as tmp:
+        (tmp / "a").write_text("1")
+    assert link.is_symlink() and [p.name for p in link.iterdir()] == ["a"]
+    # Nothing is left beside the link or beside its target (no moved-aside copy, no temporary directory).
+    assert [p.name for p in (tmp_path / "here").iterdir()] == ["out"]
+    assert [p.name for p in (tmp_path / "disk").iterdir()] == ["out"]
+    dangling = tmp_path / "here" / "new"
+    dangling.symlink_to(tmp_path / "disk" / "new")
+    with fileio.atomic_directory(dangling) as tmp:
+        (tmp / "b").write_text("2")
+    assert (tmp_path / "disk" / "new" / "b").read_text() == "2" and dangling.is_symlink()
+
+
 def test_check_output_dir_replaces_only_what_is_ours(tmp_path):
     def ours(p):
         return fileio.holds_only(p, {"model.bin", "notes.json"}, required={"model.bin"})
