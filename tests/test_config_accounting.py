@@ -171,3 +171,15 @@ def test_info_cli_errors_are_one_line_exit_2(tmp_path):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 2, r.output
         assert r.output.strip().startswith("Error:") and len(r.output.strip().splitlines()) == 1
+
+
+def test_python_m_switchhead_is_the_cli():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "switchhead", "info", "--config", "tiny-switchhead"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == CliRunner().invoke(main, ["info", "--config", "tiny-switchhead"]).output
+    r = subprocess.run([sys.executable, "-m", "switchhead", "info", "--config", "no-such"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("Error:") and "Traceback" not in r.stderr, r.stderr
