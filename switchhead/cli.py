@@ -33,6 +33,22 @@ class Group(click.Group):
             sys.exit(2)
 
 
+class _Path(click.ParamType):
+    """A file or directory option. An empty value is refused: it would otherwise be read as the current directory
+    (and, for a model, must not silently mean the built-in one)."""
+
+    name = "path"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            flag = param.opts[0] if param is not None else "the path"
+            raise SwitchheadError(f"{flag} needs a path, got an empty one")
+        return value
+
+
+PATH = _Path()
+
+
 @click.group(cls=Group)
 @click.version_option(package_name="switchhead")
 def main():
@@ -50,7 +66,7 @@ def _fmt(n: float | None) -> str:
 
 @main.command()
 @click.option("--config", "config_spec", help="Preset name or config JSON file.")
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory.")
+@click.option("--ckpt", type=PATH, help="Checkpoint directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def info(config_spec, ckpt, as_json):
     """Parameters, attention MACs/memory (paper formulas) and cache sizes of a model.
@@ -104,12 +120,12 @@ def info(config_spec, ckpt, as_json):
 
 @main.command()
 @click.option("--config", "config_spec", help="Preset name or model config JSON (required unless --resume).")
-@click.option("--data", multiple=True, type=click.Path(),
+@click.option("--data", multiple=True, type=PATH,
               help="Training text file, or a directory of .txt files (repeatable; each file is one document, "
                    "followed by the tokenizer's EOS). Required unless --resume.")
-@click.option("--out", required=True, type=click.Path(),
+@click.option("--out", required=True, type=PATH,
               help="Output directory (new, empty, or a run to --resume).")
-@click.option("--tokenizer", type=click.Path(),
+@click.option("--tokenizer", type=PATH,
               help="SentencePiece model to use; default: train one on --data.")
 @click.option("--vocab-size", type=int, default=8000, show_default=True, help="Size of the tokenizer trained "
               "on --data (an upper bound on small data). The model's vocab_size follows the tokenizer.")
@@ -126,7 +142,7 @@ def info(config_spec, ckpt, as_json):
 @click.option("--warmup", type=int, default=0, show_default=True,
               help="Linear warm-up steps before the cosine decay.")
 @click.option("--grad-clip", type=float, help="Gradient-norm clip (0: off); default: the config's grad_clip.")
-@click.option("--eval-data", multiple=True, type=click.Path(), help="Held-out text file(s) for validation "
+@click.option("--eval-data", multiple=True, type=PATH, help="Held-out text file(s) for validation "
               "perplexity (repeatable).")
 @click.option("--eval-every", type=int, default=1000, show_default=True, help="Validate every N steps.")
 @click.option("--eval-batch-size", type=int, help="Lanes the held-out text is cut into (more lanes: faster, "
@@ -142,7 +158,7 @@ def info(config_spec, ckpt, as_json):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Autocast dtype; default: bfloat16 on GPUs that support it (float16 with a grad scaler on "
                    "older ones), float32 on the CPU.")
-@click.option("--cache-dir", type=click.Path(), help="Token cache (default $SWITCHHEAD_CACHE or "
+@click.option("--cache-dir", type=PATH, help="Token cache (default $SWITCHHEAD_CACHE or "
               "~/.cache/switchhead/tokens).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.pass_context
@@ -195,9 +211,9 @@ def train(ctx, **params):
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("--ckpt", type=click.Path(),
+@click.option("--ckpt", type=PATH,
               help="Checkpoint directory (with tokenizer.model; default: the built-in model).")
-@click.option("--onnx", "onnx_dir", type=click.Path(),
+@click.option("--onnx", "onnx_dir", type=PATH,
               help="Directory written by `switchhead export --onnx` (runs on ONNX Runtime instead of PyTorch).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
@@ -215,7 +231,7 @@ def train(ctx, **params):
               "prompts file (counting from 0, blank lines skipped) uses seed + i.")
 @click.option("--stop", multiple=True,
               help="Stop before this string (repeatable; taken literally: in bash, $'\\n' is a newline).")
-@click.option("--prompts-file", type=click.Path(), help="Text lines or JSONL with a \"prompt\" field; "
+@click.option("--prompts-file", type=PATH, help="Text lines or JSONL with a \"prompt\" field; "
               "writes JSONL.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts decoded together.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: text, token count, speeds.")
@@ -243,19 +259,19 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
 
 @main.command("eval")
 @click.option("--tasks", help="Comma-separated: lambada, blimp, cbt.")
-@click.option("--text", "texts", multiple=True, type=click.Path(),
+@click.option("--text", "texts", multiple=True, type=PATH,
               help="Also score this text file (repeatable): perplexity per token and bits per byte, with the XL "
                    "state carried through --batch-size lanes, as training's validation.")
 @click.option("--unwrap/--no-unwrap", default=False, show_default=True,
               help="Join hard-wrapped lines of --text files into paragraphs first, as train --unwrap does.")
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (default: the built-in model).")
-@click.option("--onnx", type=click.Path(), help="ONNX export directory (instead of --ckpt).")
-@click.option("--data-dir", type=click.Path(), help="Local data (lambada/, blimp/, cbt/ in their original formats; "
+@click.option("--ckpt", type=PATH, help="Checkpoint directory (default: the built-in model).")
+@click.option("--onnx", type=PATH, help="ONNX export directory (instead of --ckpt).")
+@click.option("--data-dir", type=PATH, help="Local data (lambada/, blimp/, cbt/ in their original formats; "
               "see docs/EVAL.md). Default: the Hugging Face hub, when reachable.")
 @click.option("--limit", type=int, help="Evaluate only the first N examples of each task (or paradigm).")
 @click.option("--batch-size", type=int, default=64, show_default=True,
               help="Sequences per forward pass (for --text: the lanes each file is cut into).")
-@click.option("--output", type=click.Path(),
+@click.option("--output", type=PATH,
               help="Write lm-eval's results JSON here (replacing an existing file only if it is earlier results).")
 @click.option("--device", help="cpu, cuda, ...; default cpu.")
 @click.option("--threads", type=int, default=1, show_default=True, help="CPU threads for the forward passes: "
@@ -286,11 +302,11 @@ def eval_(tasks, texts, unwrap, ckpt, onnx, data_dir, limit, batch_size, output,
 
 
 @main.command()
-@click.option("--ckpt", type=click.Path(),
+@click.option("--ckpt", type=PATH,
               help="Checkpoint directory (with tokenizer.model; default: the built-in model).")
 @click.option("--text", help="Text to inspect.")
-@click.option("--text-file", type=click.Path(), help="Read the text from this UTF-8 file.")
-@click.option("--out", required=True, type=click.Path(), help="Directory for the PNGs and index.html.")
+@click.option("--text-file", type=PATH, help="Read the text from this UTF-8 file.")
+@click.option("--out", required=True, type=PATH, help="Directory for the PNGs and index.html.")
 @click.option("--layers", help="Comma-separated layer indices (default: all).")
 @click.option("--heads", help="Comma-separated head indices for the per-head figures (default: all).")
 @click.option("--window", type=int, default=64, show_default=True,
@@ -314,8 +330,8 @@ def inspect(ckpt, text, text_file, out, layers, heads, window, as_json, no_progr
 
 @main.command("export")
 @click.option("--onnx", "to_onnx", is_flag=True, help="Export to ONNX (the only target so far).")
-@click.option("--ckpt", type=click.Path(), help="Checkpoint directory (default: the built-in model).")
-@click.option("--out", type=click.Path(), help="Output directory (default: CKPT-onnx next to the checkpoint; "
+@click.option("--ckpt", type=PATH, help="Checkpoint directory (default: the built-in model).")
+@click.option("--out", type=PATH, help="Output directory (default: CKPT-onnx next to the checkpoint; "
               "./switchhead-default-onnx for the built-in model).")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 is supported).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 or fp16 weights and activations.")
@@ -334,9 +350,9 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize):
 
 
 @main.command()
-@click.option("--ckpt", type=click.Path(),
+@click.option("--ckpt", type=PATH,
               help="Checkpoint directory (with tokenizer.model; default: the built-in model).")
-@click.option("--onnx", "onnx_dir", type=click.Path(), help="ONNX export directory (instead of --ckpt).")
+@click.option("--onnx", "onnx_dir", type=PATH, help="ONNX export directory (instead of --ckpt).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Sequences decoded together.")

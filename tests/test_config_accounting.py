@@ -183,3 +183,16 @@ def test_python_m_switchhead_is_the_cli():
     r = subprocess.run([sys.executable, "-m", "switchhead", "info", "--config", "no-such"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("Error:") and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["export", "--onnx", "--out", ""], ["inspect", "--text", "hi", "--out", ""], ["info", "--ckpt", " "],
+    ["train", "--config", "tiny-switchhead", "--data", "x.txt", "--out", ""],
+    ["eval", "--text", "x.txt", "--output", ""],
+    ["serve", "--onnx", ""], ["generate", "hi", "--prompts-file", ""],
+])
+def test_empty_paths_are_refused_not_read_as_the_current_directory(args, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "needs a path, got an empty one" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []

@@ -419,8 +419,9 @@ def test_one_string_is_one_prompt_or_one_stop(gen):
     assert SamplingParams(stop="\n\n").stop == ("\n\n",) and SamplingParams(stop=None).stop == ()
 
 
-@pytest.mark.parametrize("flag,message", [("--ckpt", "the checkpoint path is empty"),
-                                          ("--onnx", "--onnx needs a directory")])
+@pytest.mark.parametrize("flag,message", [("--ckpt", "--ckpt needs a path, got an empty one"),
+                                          ("--onnx", "--onnx needs a path, got an empty one"),
+                                          ("--prompts-file", "--prompts-file needs a path")])
 def test_cli_empty_model_path_is_not_the_builtin_model(flag, message):
     r = _run([flag, "", "hi"])
     assert r.exit_code == 2 and r.stdout == "", r.output
