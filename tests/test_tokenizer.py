@@ -9,6 +9,7 @@ from tiny import write_corpus
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.tokenizer import (
+    MIN_VOCAB_SIZE,
     encode_documents,
     encode_file,
     load_tokenizer,
@@ -75,6 +76,11 @@ def test_save_load_and_fingerprint(sp, tmp_path):
 def test_bad_inputs(tmp_path):
     with pytest.raises(SwitchheadError, match="at least"):
         train_tokenizer([_corpus(tmp_path / "a.txt")], vocab_size=100)
+    many = tmp_path / "many.txt"  # more distinct characters than the smallest vocabulary holds
+    many.write_text("".join(chr(0x4E00 + i) for i in range(300)) + "\n")
+    with pytest.raises(SwitchheadError, match=r"a vocab size of \d+ is too small for this text: its characters and "
+                                              r"the special pieces need at least \d+ \(--vocab-size\)"):
+        train_tokenizer([many], vocab_size=MIN_VOCAB_SIZE)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n  \n")
     with pytest.raises(SwitchheadError, match="no text"):

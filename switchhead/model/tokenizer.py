@@ -137,6 +137,13 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:
+        # Every character of the text gets a piece (character_coverage 1.0), so the vocabulary must hold them all;
+        # SentencePiece's own message points to a trainer option the command line does not have.
+        if short := re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(e)):
+            raise SwitchheadError(
+                f"a vocab size of {short[1]} is too small for this text: its characters and the special pieces "
+                f"need at least {short[2]} (--vocab-size)"
+            ) from None
         raise SwitchheadError(f"tokenizer training failed: {e}") from None
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
