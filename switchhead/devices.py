@@ -24,8 +24,10 @@ def set_threads(threads: int | None) -> None:
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """`device` (default: cpu) as a torch.device, if a model can run there on this machine."""
+    if isinstance(device, str) and not device.strip():
+        raise SwitchheadError("the device is empty; give cpu, cuda, cuda:N or mps, or none for cpu")
     try:
-        dev = torch.device(device or "cpu")
+        dev = torch.device(device if device is not None else "cpu")
     except (RuntimeError, TypeError) as e:
         raise SwitchheadError(f"unknown device {device!r}: {e}") from None
     if dev.type not in ("cpu", "cuda", "mps"):  # e.g. meta, which holds no data

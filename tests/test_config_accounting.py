@@ -196,3 +196,8 @@ def test_empty_paths_are_refused_not_read_as_the_current_directory(args, tmp_pat
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "needs a path, got an empty one" in r.output, r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_is_not_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match=f"{tmp_path} is a directory, not a config file"):
+        resolve_config(str(tmp_path))

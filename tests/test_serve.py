@@ -427,6 +427,8 @@ def test_many_bad_requests_then_a_good_one(url, client, ref):
     (["--port", "70000"], "port must be in"),
     (["--ckpt", "a", "--onnx", "b"], "not both"),
     (["--ckpt", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    (["--model-name", " "], "--model-name is empty"),
+    (["--device", ""], "the device is empty"),
 ])
 def test_cli_bad_options_are_one_line_exit_2(args, message):
     r = CliRunner().invoke(main, ["serve", *args])

@@ -204,7 +204,8 @@ def resolve_config(spec: str | Path) -> ModelConfig:
     path = Path(spec)
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
-            raise ConfigError(f"config file not found: {spec}")
+            raise ConfigError(f"{spec} is a directory, not a config file" if path.is_dir()
+                              else f"config file not found: {spec}")
         text = read_utf8(path, ConfigError)
         try:
             return ModelConfig.from_json(text)

@@ -35,6 +35,8 @@ def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max
                timeout: float, max_prompt_tokens: int, max_tokens: int, model_name: str | None = None,
                device: str | None = None, log_level: str = "info") -> None:
     check_options(port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens)
+    if model_name is not None and not model_name.strip():
+        raise SwitchheadError("--model-name is empty; give a name, or leave it out for the checkpoint's")
     try:
         import uvicorn
 
