@@ -264,6 +264,8 @@ def test_cli_text_errors(env, tmp_path):
         (("--text", str(tmp_path / "empty.txt")), "text file is empty"),
         (("--text", str(tmp_path / "latin1.txt")), "not valid UTF-8"),
         (("--text", str(tmp_path / "empty.txt"), "--batch-size", "0"), "batch size"),
+        (("--text", str(tmp_path / "empty.txt"), "--limit", "5"), "--limit applies to --tasks, and no task was"),
+        (("--tasks", "lambada", "--unwrap"), "--unwrap applies to --text files, and none was given"),
     ]:
         r = run_cli(*args, "--ckpt", str(ckpt))
         assert r.exit_code == 2 and message in r.output, (args, r.output)
@@ -666,3 +668,12 @@ def test_evaluate_refuses_cuda_without_cuda_but_lm_eval_falls_back(env, tmp_path
         with pytest.raises(SwitchheadError, match=r"^device 'cuda' requested but CUDA is not available$"):
             evaluate("lambada", ckpt=str(ckpt), data_dir=d, limit=1, progress=False, device="cuda", output=out)
         assert not out.exists()
+
+
+def test_text_rows_are_told_apart_when_file_names_clash():
+    from switchhead.evals.run import format_table
+
+    row = {"tokens": 10, "lanes": 1, "loss": 1.0, "perplexity": math.e, "bits_per_byte": 0.5}
+    table = format_table({"text": [{"file": f, **row} for f in ("a/x.txt", "b/x.txt", "c/y.txt")]})
+    labels = {line.split()[1] for line in table.splitlines()[1:]}
+    assert labels == {"a/x.txt", "b/x.txt", "y.txt"}, table

@@ -60,6 +60,11 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
     names = parse_tasks(tasks) if tasks or not texts else []
     if limit is not None and (not is_int(limit) or limit < 1):
         raise SwitchheadError(f"--limit must be a positive number of examples per task, got {limit}")
+    # Options that would silently do nothing are refused, so that a typo in a command line is seen.
+    if limit is not None and not names:
+        raise SwitchheadError("--limit applies to --tasks, and no task was given")
+    if unwrap and not texts:
+        raise SwitchheadError("--unwrap applies to --text files, and none was given")
     if not is_int(batch_size) or batch_size < 1:
         raise SwitchheadError(f"the batch size (--batch-size) must be a positive integer, got {batch_size!r}")
     if texts:
@@ -188,8 +193,10 @@ def summary_rows(results: dict) -> list[tuple[str, str, float, float | None]]:
             metric, filt = key.split(",", 1)
             err = res[task].get(f"{metric}_stderr,{filt}")
             rows.append((task, metric, float(value), err if isinstance(err, (int, float)) else None))
-    for text in results.get("text", []):
-        name = f"text {Path(text['file']).name}"
+    texts = results.get("text", [])
+    names = [Path(text["file"]).name for text in texts]
+    for text, short in zip(texts, names):
+        name = f"text {short if names.count(short) == 1 else text['file']}"  # the whole path where names clash
         rows += [(name, metric, float(text[metric]), None) for metric in TEXT_METRICS]
     return rows
 
