@@ -181,6 +181,9 @@ def train(ctx, **params):
     from switchhead.train.rundir import resume_defaults
 
     opts = {k: v for k, v in params.items() if ctx.get_parameter_source(k) != ParameterSource.DEFAULT}
+    if "vocab_size" in opts and opts.get("tokenizer"):  # it would be silently ignored
+        raise SwitchheadError("--vocab-size is the size of a tokenizer trained on --data; with --tokenizer the "
+                              "given tokenizer's size is used: leave one of them out")
     opts["config"] = opts.pop("config_spec", None)
     opts["data"] = list(params["data"])
     opts["eval_data"] = list(params["eval_data"])

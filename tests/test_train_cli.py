@@ -157,10 +157,11 @@ def test_existing_run_and_changed_config_on_resume(corpus, tmp_path):
 def test_bad_options(corpus, tmp_path):
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--lr", "-1"), "--lr")
     _assert_user_error(_run("--config", "no-such-preset", "--data", corpus, "--out", tmp_path / "o"), "unknown config")
-    _assert_user_error(
-        _tiny(tmp_path / "o", corpus, tmp_path, "--tokenizer", tmp_path / "none.model"), "tokenizer model not found"
-    )
+    _assert_user_error(_run("--config", "tiny-switchhead", "--data", corpus, "--out", tmp_path / "o", "--tokenizer",
+                            tmp_path / "none.model"), "tokenizer model not found")
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--dtype", "float16"), "float16 needs a CUDA")
+    _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--tokenizer", tmp_path / "t.model"),
+                       "--vocab-size is the size of a tokenizer trained on --data; with --tokenizer")
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--grad-accum", 0), "--grad-accum must be a positive")
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--grad-accum", 3),
                        "--grad-accum 3 must divide the 2 lanes each process runs (--batch-size 2 / 1 process)")
