@@ -475,7 +475,7 @@ def _gather_kernel(
     # Output row `row` = n*R + r receives the C_PER consecutive pairs row*C_PER .. row*C_PER + C_PER - 1:
     # the slot reduction is part of the loop, deterministic and without atomics. One flat loop over (pair,
     # K block) lets Triton's pipeliner keep the next steps' weight tiles (and expert ids) in flight: this kernel
-    # has few programs (a row of a token per program), so it waits on memory latency, not bandwidth.
+    # has few programs (one per output row and column block), so it waits on memory latency, not bandwidth.
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D_OUT
