@@ -174,12 +174,19 @@ def test_step_may_not_cross_a_chunk_boundary():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_scoring_logits_default_and_override_equal_the_forward(arch):
     """`Backend.logits` (rows through the cache) and TorchBackend's chunked-forward override agree, and the
-    state each returns continues the rows (calls split at a chunk boundary, as scoring does)."""
+    state each returns continues the rows, wherever the calls split them (at chunk boundaries, as scoring does,
+    or inside chunks)."""
     m = _model(arch)
     ids = torch.randint(0, m.config.vocab_size, (3, 3 * T + 5), generator=torch.Generator().manual_seed(8))
     ref = _reference(m, ids)
     be = TorchBackend(m)
     for logits in (be.logits, lambda x, s=None: Backend.logits(be, x, s)):
-        first, state = logits(ids[:, :2 * T])
-        second, _ = logits(ids[:, 2 * T:], state)
-        assert _max_err(torch.cat([first, second], 1), ref) <= ATOL
+        for cuts in ([2 * T], [5], [T + 3, T + 4, 2 * T + 1], [1, 2, T - 1]):
+            state, out = None, []
+            for a, b in zip([0, *cuts], [*cuts, ids.shape[1]]):
+                part, state = logits(ids[:, a:b], state)
+                out.append(part)
+            assert _max_err(torch.cat(out, 1), ref) <= ATOL, cuts
+    _, state = be.logits(ids[:, :5])
+    with pytest.raises(SwitchheadError, match="the state continues 3 rows, got ids for 2"):
+        be.logits(ids[:2, 5:9], state)

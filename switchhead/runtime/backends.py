@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from switchhead.errors import SwitchheadError
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM, check_batch
 from switchhead.runtime.cache import XLCache
@@ -71,5 +72,22 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def logits(self, ids: Tensor, state: object | None = None) -> tuple[Tensor, object]:
         # The chunked training forward computes a whole chunk per layer call; equal to feeding the cache
-        # (tested) and faster for long rows. Its state is the XL memory, not an XLCache.
-        return self.model(ids.to(self.device), state)  # which checks the ids
+        # (tested) and faster for long rows. Its chunks must start where the stream's do, so the state is the XL
+        # memory at the last chunk boundary plus the ids after it: a call that ends inside a chunk has that part
+        # computed again at the start of the next call (at most chunk_len - 1 tokens).
+        check_batch(ids)
+        memory, pending = state if state is not None else (None, None)
+        ids = ids.to(self.device)
+        if pending is not None:
+            if pending.shape[0] != ids.shape[0]:
+                raise SwitchheadError(f"the state continues {pending.shape[0]} rows, got ids for {ids.shape[0]}")
+            ids = torch.cat([pending, ids], 1)
+        cut = ids.shape[1] // self.config.chunk_len * self.config.chunk_len
+        parts = []
+        if cut:
+            whole, memory = self.model(ids[:, :cut], memory)
+            parts.append(whole)
+        if cut < ids.shape[1]:
+            parts.append(self.model(ids[:, cut:], memory)[0])
+        skip = 0 if pending is None else pending.shape[1]
+        return torch.cat(parts, 1)[:, skip:], (memory, ids[:, cut:] if cut < ids.shape[1] else None)
