@@ -163,3 +163,14 @@ def test_weights_that_overflow_the_requested_dtype_are_refused(ckpt):
     switchhead.load(ckpt)
     with pytest.raises(CheckpointError, match="out.bias overflows float16"):
         switchhead.load(ckpt, dtype=torch.float16)
+
+
+def test_save_refuses_what_load_would_refuse(tmp_path):
+    lm = TransformerLM(PRESETS["tiny-switchhead"])
+    with torch.no_grad():
+        lm.embed.weight[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="cannot save: tensor embed.weight has NaN or infinite values"):
+        switchhead.save(tmp_path / "ck", lm)
+    with pytest.raises(CheckpointError, match="a SentencePieceProcessor or None as tokenizer, got str"):
+        switchhead.save(tmp_path / "ck", TransformerLM(PRESETS["tiny-switchhead"]), tokenizer="tok.model")
+    assert not (tmp_path / "ck").exists()

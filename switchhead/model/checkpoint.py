@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sentencepiece as spm
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -48,10 +49,16 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     """
     if not isinstance(model, TransformerLM):
         raise CheckpointError(f"save needs a TransformerLM, got {type(model).__name__}")
+    if tokenizer is not None and not isinstance(tokenizer, spm.SentencePieceProcessor):
+        raise CheckpointError("save needs a SentencePieceProcessor or None as tokenizer, got "
+                              f"{type(tokenizer).__name__}")
     if tokenizer is not None and (problem := vocab_mismatch(tokenizer, model.config.vocab_size)):
         raise CheckpointError(f"the tokenizer {problem}")  # load would refuse the checkpoint
     path = check_output_dir(path, _replaceable, "a switchhead checkpoint")
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    for k, t in tensors.items():  # load refuses these: a checkpoint that was saved can always be loaded
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"cannot save: tensor {k} has NaN or infinite values")
     with atomic_directory(path) as tmp:
         (tmp / CONFIG).write_text(model.config.to_json())
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
