@@ -1,6 +1,5 @@
 """Generation end to end: detokenisation, stop strings, seeds, batching, and the `switchhead generate` CLI."""
 
-import copy
 import json
 import random
 import re
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 from tiny import WORDS
 
 import switchhead
@@ -106,6 +106,7 @@ def test_greedy_with_bias_and_penalties_matches_a_naive_loop(gen, model, sp):
     p = SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.3, presence_penalty=1.5,
                        frequency_penalty=1.0, logit_bias=bias)
     (a,) = gen.generate_ids([prompt], p)
+    assert gen.generate_ids(torch.tensor([prompt]), p)[0].tokens == a.tokens  # ids as a [1, t] tensor too
     ids, counts, want = [sp.eos_id()] + prompt, {}, []
     for _ in range(12):
         with torch.no_grad():
@@ -271,11 +272,11 @@ def _bad_ckpts(tmp_path, model):
     (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
     no_tok = tmp_path / "no_tok"
     switchhead.save(no_tok, model, None)
-    nan = tmp_path / "nan"
-    broken = copy.deepcopy(model)
-    with torch.no_grad():
-        next(broken.parameters()).view(-1)[0] = float("nan")
-    switchhead.save(nan, broken, None)
+    nan = tmp_path / "nan"  # save refuses NaN weights: damaged afterwards
+    switchhead.save(nan, model, None)
+    weights = load_file(str(nan / "model.safetensors"))
+    weights["embed.weight"][0, 0] = float("nan")
+    save_file(weights, str(nan / "model.safetensors"))
     return {"not found": missing, "corrupt": corrupt, "no tokenizer": no_tok, "nan": nan}
 
 
@@ -390,6 +391,7 @@ def test_library_calls_with_bad_arguments_are_one_clear_error(model, sp, gen, ck
         (lambda: gen.generate([None], params), "a prompt must be a string, got NoneType"),
         (lambda: gen.generate(["the fox"], None), "params must be SamplingParams"),
         (lambda: gen.generate(None, params), "prompts must be a string or a list of strings, got NoneType"),
+        (lambda: gen.generate(b"the fox", params), "prompts must be a string or a list of strings, got bytes"),
         (lambda: TransformerLM("tiny-switchhead"), "TransformerLM needs a ModelConfig"),
         (lambda: switchhead.save(ckpt + "-other", None), "save needs a TransformerLM, got NoneType"),
         (lambda: gen.generate_ids([[V]], params), f"token id {V} is outside the vocabulary"),
