@@ -248,6 +248,20 @@ def test_bad_parameters_are_user_errors(field, value):
         SamplingParams(**{field: value})
 
 
+def test_numpy_scalars_are_numbers_and_stop_at_eos_a_bool():
+    import numpy as np
+
+    p = SamplingParams(max_new_tokens=np.int64(5), temperature=np.float32(0.5), top_k=np.int32(3),
+                       top_p=np.float64(0.9), presence_penalty=np.float16(0.5), seed=np.uint64(2**64 - 1))
+    assert p == SamplingParams(max_new_tokens=5, temperature=0.5, top_k=3, top_p=0.9, presence_penalty=0.5,
+                               seed=2**64 - 1)
+    assert type(p.max_new_tokens) is int and type(p.temperature) is float and type(p.seed) is int
+    with pytest.raises(SwitchheadError, match="temperature must be >= 0"):
+        SamplingParams(temperature=np.float32(-1))
+    with pytest.raises(SwitchheadError, match="stop_at_eos must be True or False, got 'no'"):
+        SamplingParams(stop_at_eos="no")
+
+
 def test_empty_stop_string_rejected():
     with pytest.raises(SwitchheadError, match="stop"):
         SamplingParams(stop=("",))

@@ -205,7 +205,7 @@ class Generator:
         `on_text(i, text)` streams text. A single string is one prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        elif not isinstance(prompts, Sequence):
+        elif not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
             raise SwitchheadError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         return self.generate_ids([self.encode(p) for p in prompts], params, seeds, on_text, prompts)
 
@@ -213,7 +213,8 @@ class Generator:
                      seeds: Sequence[int] | None = None, on_text: Callable[[int, str], None] | None = None,
                      prompts: Sequence[str] | None = None) -> list[Generation]:
         """`generate` for prompts given as token ids; an empty prompt starts a new document (needs EOS)."""
-        encoded = [list(ids) for ids in encoded]
+        # Token ids as tensors or arrays (a [B, t] tensor, rows of one) become plain ints, as check_ids expects.
+        encoded = [ids.tolist() if hasattr(ids, "tolist") else list(ids) for ids in encoded]
         if not encoded:
             return []
         check_ids(encoded, self.backend.config.vocab_size)

@@ -12,6 +12,7 @@ modulo 2**64, so every seed the user may give works with any number of prompts o
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,17 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
+        # NumPy scalars (np.int64, np.float32, ...) are numbers too: stored as Python ones, then checked as those.
+        for name in ("max_new_tokens", "top_k", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+                object.__setattr__(self, name, int(v))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+                object.__setattr__(self, name, float(v))
+        if not isinstance(self.stop_at_eos, bool):
+            raise SwitchheadError(f"stop_at_eos must be True or False, got {self.stop_at_eos!r}")
         # One string is one stop string (as in the OpenAI API), not a sequence of one-character stops.
         stop = (self.stop,) if isinstance(self.stop, str) else () if self.stop is None else self.stop
         try:
