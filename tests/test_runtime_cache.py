@@ -190,3 +190,16 @@ def test_scoring_logits_default_and_override_equal_the_forward(arch):
     _, state = be.logits(ids[:, :5])
     with pytest.raises(SwitchheadError, match="the state continues 3 rows, got ids for 2"):
         be.logits(ids[:2, 5:9], state)
+
+
+def test_a_backend_runs_a_training_model_in_eval_mode_and_leaves_it_training():
+    torch.manual_seed(0)
+    m = TransformerLM(PRESETS["tiny-switchhead"].replace(dropout=0.5)).eval()
+    ids = torch.randint(0, m.config.vocab_size, (2, T + 3), generator=torch.Generator().manual_seed(3))
+    ref = _reference(m, ids)
+    m.train()
+    be = TorchBackend(m)
+    assert m.training
+    for logits in (be.logits, lambda x: Backend.logits(be, x)):
+        assert _max_err(logits(ids)[0], ref) <= ATOL  # no dropout: the same as in eval mode
+        assert m.training

@@ -21,6 +21,7 @@ Scoring (evaluation, perplexity) calls ``Backend.logits(ids, state)`` on whole r
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -58,7 +59,7 @@ class TorchBackend(Backend):
     """Runs `TransformerLM.decode` (the same block code as training) against the cache."""
 
     def __init__(self, model: TransformerLM):
-        self.model = model.eval()
+        self.model = model  # left in its mode: each call runs in eval mode (no dropout) and restores it
         self.config = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -67,7 +68,8 @@ class TorchBackend(Backend):
     def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
         # The model memoises its relative-position tables in inference, so every step after the first
         # reuses them.
-        return self.model.decode(ids.to(self.device), cache)
+        with _eval_mode(self.model):
+            return self.model.decode(ids.to(self.device), cache)
 
     @torch.inference_mode()
     def logits(self, ids: Tensor, state: object | None = None) -> tuple[Tensor, object]:
@@ -84,10 +86,25 @@ class TorchBackend(Backend):
             ids = torch.cat([pending, ids], 1)
         cut = ids.shape[1] // self.config.chunk_len * self.config.chunk_len
         parts = []
-        if cut:
-            whole, memory = self.model(ids[:, :cut], memory)
-            parts.append(whole)
-        if cut < ids.shape[1]:
-            parts.append(self.model(ids[:, cut:], memory)[0])
+        with _eval_mode(self.model):
+            if cut:
+                whole, memory = self.model(ids[:, :cut], memory)
+                parts.append(whole)
+            if cut < ids.shape[1]:
+                parts.append(self.model(ids[:, cut:], memory)[0])
         skip = 0 if pending is None else pending.shape[1]
         return torch.cat(parts, 1)[:, skip:], (memory, ids[:, cut:] if cut < ids.shape[1] else None)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """Eval mode for the duration, the model's own mode after: a backend built on a model being trained must not
+    switch its dropout off for good."""
+    if not model.training:
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
