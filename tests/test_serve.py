@@ -191,6 +191,24 @@ def test_logprobs(client, ckpt):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 
+def test_logprobs_end_with_the_text_at_a_stop_string(client):
+    """The tokens that spell a stop string are not part of the completion: no logprob entries for them."""
+    full = client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=12, temperature=0, logprobs=1)
+    toks, offsets = full.choices[0].logprobs.tokens, full.choices[0].logprobs.text_offset
+    stop = toks[5] + toks[6]
+    cut = full.choices[0].text.find(stop)
+    want = [t for t, o in zip(toks, offsets) if o < cut]
+    assert 0 < len(want) < len(toks)
+    r = client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=12, temperature=0, logprobs=1,
+                                  stop=[stop])
+    assert r.choices[0].text == full.choices[0].text[:cut] and r.choices[0].logprobs.tokens == want
+    assert max(r.choices[0].logprobs.text_offset) < cut
+    chunks = list(client.completions.create(model=MODEL, prompt="the quick fox", max_tokens=12, temperature=0,
+                                            logprobs=1, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text[:cut]
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == want
+
+
 def test_n_samples_differ(client, ref):
     r = client.completions.create(model=MODEL, prompt="dogs", max_tokens=10, temperature=1.0, seed=9, n=2)
     assert [c.index for c in r.choices] == [0, 1]
