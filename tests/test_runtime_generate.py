@@ -16,7 +16,7 @@ import switchhead
 from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.errors import SwitchheadError
-from switchhead.runtime import Detokenizer, Generator, SamplingParams, StopText, TorchBackend
+from switchhead.runtime import Backend, Detokenizer, Generator, SamplingParams, StopText, TorchBackend
 
 
 @pytest.fixture(scope="module")
@@ -399,6 +399,12 @@ def test_library_calls_with_bad_arguments_are_one_clear_error(model, sp, gen, ck
         (lambda: gen.generate_ids([[3, 2.0]], params), "token id 2.0 is outside"),
         (lambda: TorchBackend(model).logits(torch.tensor([[1, V]])), f"token id {V} is outside"),
         (lambda: TorchBackend(model).logits(torch.tensor([[1.0]])), "token ids must be an integer tensor"),
+        (lambda: model([[1, 2]]), "input_ids must be a tensor [batch, tokens], got list"),
+        (lambda: switchhead.load(5), "a checkpoint path must be a str or Path, got int"),
+        (lambda: TorchBackend(model).logits(torch.tensor([[1]]), TorchBackend(model).new_cache(1)),
+         "state must be what this backend's logits returned, got XLCache"),
+        (lambda: Backend.logits(TorchBackend(model), torch.tensor([[1]]), (None, None)),
+         "state must be what this backend's logits returned, got tuple"),
         (lambda: feed(TorchBackend(model), TorchBackend(model).new_cache(1), [[-1]]), "token id -1"),
         (lambda: SamplingParams(stop=[1]), "stop strings must be strings"),
         (lambda: SamplingParams(stop=5), "stop must be a string or a list of strings"),

@@ -28,6 +28,8 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "defaul
 def resolve_checkpoint(path: str | Path | None) -> Path:
     """`path`, or the built-in default model when no path is given (None; an empty path is an error)."""
     if path is not None:
+        if not isinstance(path, (str, Path)):
+            raise CheckpointError(f"a checkpoint path must be a str or Path, got {type(path).__name__}")
         if not str(path):
             raise CheckpointError("the checkpoint path is empty; give a directory, or none for the built-in model")
         return Path(path)

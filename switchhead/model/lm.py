@@ -34,6 +34,8 @@ def check_ids(ids: Tensor | Sequence[Sequence[int]], vocab_size: int, values: bo
 
 def check_batch(input_ids: Tensor) -> None:
     """Rows of token ids: [batch, tokens], both at least 1."""
+    if not isinstance(input_ids, Tensor):
+        raise SwitchheadError(f"input_ids must be a tensor [batch, tokens], got {type(input_ids).__name__}")
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise SwitchheadError(f"input_ids must be [batch, tokens] with batch, tokens >= 1, got "
                               f"{tuple(input_ids.shape)}")

@@ -51,6 +51,8 @@ class Backend(ABC):
         from switchhead.runtime.engine import feed  # the engine builds on backends, not the other way
 
         check_batch(ids)
+        if state is not None and not isinstance(state, XLCache):
+            raise SwitchheadError(f"state must be what this backend's logits returned, got {type(state).__name__}")
         cache = state if state is not None else self.new_cache(ids.shape[0])
         return torch.stack(feed(self, cache, ids.tolist(), keep="all")), cache
 
@@ -78,6 +80,8 @@ class TorchBackend(Backend):
         # memory at the last chunk boundary plus the ids after it: a call that ends inside a chunk has that part
         # computed again at the start of the next call (at most chunk_len - 1 tokens).
         check_batch(ids)
+        if state is not None and not (isinstance(state, tuple) and len(state) == 2):
+            raise SwitchheadError(f"state must be what this backend's logits returned, got {type(state).__name__}")
         memory, pending = state if state is not None else (None, None)
         ids = ids.to(self.device)
         if pending is not None:
