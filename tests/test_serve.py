@@ -497,3 +497,47 @@ def test_stopped_scheduler_is_reported_not_waited_on(ckpt):
         assert h.status_code == 503 and h.json()["status"] == "stopped"
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "scheduler_stopped"
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_cleanly(ckpt, tmp_path):
+    """The command's server on SIGTERM: a stream in flight gets its error event (503 shutting_down) instead of
+    being cut off, and the process ends within seconds without logging a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = open(tmp_path / "stderr.txt", "w+")  # noqa: SIM115 - read after the process ends
+    proc = subprocess.Popen([sys.executable, "-m", "switchhead", "serve", "--ckpt", ckpt, "--port", str(port),
+                             "--max-tokens", "100000", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None and time.monotonic() - t0 < 60, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "x", "prompt": "the", "max_tokens": 100000, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "model": "model"}, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        os.kill(proc.pid, signal.SIGTERM)
+        # uvicorn re-raises the signal it caught once it has shut down, so the exit status is SIGTERM's.
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err.seek(0)
+    log = err.read()
+    assert "Traceback" not in log, log
+    assert len(events) >= 4 and json.loads(events[-1])["error"]["code"] == "shutting_down", events[-3:]

@@ -235,6 +235,8 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
     def failure(event: Failed) -> P.APIError:
         if event.kind == "timeout":
             return P.APIError(504, event.message, "timeout_error", None, "timeout")
+        if event.kind == "shutdown":
+            return P.APIError(503, event.message, "server_error", None, "shutting_down")
         return P.APIError(500, event.message, "server_error", None, "internal_error")
 
     async def collect(request: Request, jobs, choices, relay) -> P.APIError | None | bool:

@@ -62,8 +62,8 @@ class Finished:
 
 @dataclass
 class Failed:
-    """The sequence was dropped: kind "timeout" (past its deadline) or "internal" (a bug in admitting it or in a
-    step)."""
+    """The sequence was dropped: kind "timeout" (past its deadline), "shutdown" (the server is stopping) or
+    "internal" (a bug in admitting it or in a step)."""
 
     kind: str
     message: str
@@ -135,16 +135,25 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def request_stop(self) -> None:
+        """Stop without waiting: the sequences in flight, queued or submitted later end with a "shutdown"
+        failure, so that their requests are answered (a stream gets its error event) instead of cut off."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def submit(self, jobs: list[Job]) -> bool:
         """Queue all of `jobs` or none: False when more than `max_queue` sequences would be left waiting for a
         row."""
         with self._cond:
+            if self._stop:
+                for job in jobs:
+                    self._finish(job, Failed("shutdown", "server shutting down"))
+                return True
             free = self.max_batch - self.busy
             if max(0, len(self.pending) + len(jobs) - free) > self.max_queue:
                 return False
@@ -189,9 +198,9 @@ class Scheduler:
         with self._cond:
             for b, row in enumerate(self.rows):
                 if row is not None:
-                    self._free(b, Failed("internal", "server shutting down"))
+                    self._free(b, Failed("shutdown", "server shutting down"))
             while self.pending:
-                self._finish(self.pending.popleft(), Failed("internal", "server shutting down"))
+                self._finish(self.pending.popleft(), Failed("shutdown", "server shutting down"))
 
     def _drop_finished(self) -> None:
         now = time.monotonic()

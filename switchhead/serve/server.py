@@ -51,4 +51,14 @@ def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max
     config = ServeConfig(model_name=model_name or default_model_name(ckpt, onnx_dir), max_batch=max_batch,
                          max_queue=max_queue, timeout_s=timeout or None,
                          limits=Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens))
-    uvicorn.run(create_app(gen, config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # On SIGTERM / Ctrl-C the requests in flight are answered with "server shutting down" (a stream gets
+            # its error event) and their connections close; otherwise uvicorn waits for them, then cancels them
+            # mid-stream with a logged traceback.
+            self.config.app.state.scheduler.request_stop()
+            super().handle_exit(sig, frame)
+
+    app = create_app(gen, config)
+    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
