@@ -218,7 +218,7 @@ def test_text_perplexity_matches_a_naive_loop_per_lane(env, tmp_path, lanes):
 
 
 def test_text_perplexity_of_a_short_file_scores_every_token(env, tmp_path):
-    """More lanes than the file has chunks: the lanes stay a chunk long, and no token but the first goes unscored
+    """More lanes than the file has chunks: one lane per chunk, and no token but the first goes unscored
     (so bits per byte, over the whole file's size, are not flattered by tokens left out)."""
     from switchhead.evals.text import text_perplexity
     from switchhead.runtime import TorchBackend

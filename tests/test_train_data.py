@@ -83,7 +83,8 @@ def test_memory_carries_across_steps(tmp_path):
     assert not torch.allclose(stepped[:, 16:], fresh[:, 16:], atol=1e-3)
 
 
-@pytest.mark.parametrize("n, lanes, chunk_len", [(103, 4, 8), (100, 4, 8), (9, 4, 2), (2, 4, 8), (103, 64, 8)])
+@pytest.mark.parametrize("n, lanes, chunk_len", [(103, 4, 8), (100, 4, 8), (9, 4, 2), (2, 4, 8), (103, 64, 8),
+                                                 (6462, 64, 128)])
 def test_eval_chunks_score_every_token_but_the_first_once(n, lanes, chunk_len):
     stream = TokenStream([np.arange(10, 10 + n)])
     chunks = list(eval_chunks(stream, n_lanes=lanes, chunk_len=chunk_len))
@@ -94,8 +95,8 @@ def test_eval_chunks_score_every_token_but_the_first_once(n, lanes, chunk_len):
     assert sorted(scored.tolist()) == list(range(11, 10 + n))  # every token but the first, once
     n_lanes = eval_lanes(lanes, n, chunk_len)
     assert targets.shape[0] == n_lanes <= lanes
-    # Lanes are never cut shorter than a chunk just to have more of them, and none is empty.
-    assert n_lanes == 1 or targets.shape[1] >= chunk_len
+    # Never more lanes than the stream has chunks of targets, and none is empty.
+    assert n_lanes <= -(-(n - 1) // chunk_len)
     assert ((targets != IGNORE).sum(1) > 0).all()
     # Each target follows its input (padding only at the end of the last lane), so the lane's inputs are its
     # true preceding text.

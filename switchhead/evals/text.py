@@ -1,7 +1,7 @@
 """Held-out perplexity of a model on text files, measured as training's validation measures it.
 
 Each file is one document followed by EOS, cut into contiguous lanes (more lanes: more tokens per forward, less
-context for the tokens at each lane's start; never lanes shorter than a chunk) that are fed chunk by chunk with
+context for the tokens at each lane's start; never more lanes than the file has chunks) that are fed chunk by chunk with
 the XL state carried over. Every token but the file's first is scored exactly once, so bits per byte divide the
 loss of (almost) the whole file by its size. Works through the runtime's backends, so a checkpoint and its ONNX
 export are scored by the same code.

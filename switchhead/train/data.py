@@ -219,9 +219,9 @@ IGNORE = -100
 
 
 def eval_lanes(n_lanes: int, n_tokens: int, chunk_len: int) -> int:
-    """Lanes a stream of `n_tokens` is cut into for evaluation: `n_lanes`, fewer when the stream is short. A lane
-    is never made shorter than one chunk for the sake of more lanes: that would not save a forward pass, only
-    take context from the tokens at the lanes' starts."""
+    """Lanes a stream of `n_tokens` is cut into for evaluation: `n_lanes`, but never more than the stream has
+    chunks of targets: more lanes would not save a forward pass, only take context from the tokens at the lanes'
+    starts."""
     targets = n_tokens - 1
     if targets < 1:
         raise SwitchheadError(f"evaluation data too short: {n_tokens} tokens")
