@@ -200,10 +200,11 @@ def train(ctx, **params):
         raise SwitchheadError("--data is required (one or more text files)")
     result = run_training(TrainOptions(**opts))
     if result.interrupted:
-        click.echo(f"interrupted after step {result.step}; checkpoint saved in {result.out}/checkpoint "
-                   "(continue with --resume)", err=True)
-        sys.exit(130)
-    if result.final is not None:
+        if result.main_process:  # under torchrun every process returns here: one reports
+            click.echo(f"interrupted after step {result.step}; checkpoint saved in {result.out}/checkpoint "
+                       "(continue with --resume)", err=True)
+        sys.exit(128 + (result.signal or 2))  # the shell's status for a process stopped by that signal
+    if result.final is not None and result.main_process:
         summary = f"done: {result.step} steps"
         if result.last_loss is not None:
             summary += f", train loss {result.last_loss:.4f}"

@@ -57,6 +57,7 @@ def test_ddp_two_processes_match_single_process(tmp_path, grad_accum):
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: 12 steps") == 1, proc.stdout  # one report, from rank 0
 
     state = json.loads((ddp_out / "checkpoint" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == 12

@@ -238,7 +238,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + signal.SIGTERM, err  # as the shell reports a process SIGTERM stopped
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert 0 < state["step"] < 100000 and "interrupted after step" in err
     assert max(_losses(out)) == state["step"]

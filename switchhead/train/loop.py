@@ -104,6 +104,8 @@ class TrainResult:
     interrupted: bool
     last_loss: float | None
     val_ppl: float | None
+    main_process: bool = True  # rank 0: the one process (of several under torchrun) that reports
+    signal: int | None = None  # the signal that interrupted the run
 
 
 # --- distributed helpers ---
@@ -250,10 +252,12 @@ class _StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal: int | None = None
         self._old: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        self.signal = signum
         for sig, old in self._old.items():  # the next signal gets the default behaviour (hard stop)
             signal.signal(sig, old)
 
@@ -642,5 +646,6 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         _barrier()
         final = out / FINAL_DIR
     return TrainResult(
-        out=out, final=final, step=step, interrupted=interrupted, last_loss=last_loss, val_ppl=val_ppl
+        out=out, final=final, step=step, interrupted=interrupted, last_loss=last_loss, val_ppl=val_ppl,
+        main_process=is_main, signal=stop.signal if interrupted else None,
     )
