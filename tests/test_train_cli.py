@@ -409,3 +409,14 @@ def test_model_larger_than_the_machine_is_refused_before_any_work(corpus, tmp_pa
     _assert_user_error(r, "needs at least")
     assert "GiB for its weights, gradients and AdamW state; this machine has" in r.output
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_every_slow_stage_shows_progress(corpus, tmp_path):
+    """Tokenizer training, the steps and each validation say what is going on (on stderr; tokenizing the data
+    does too, once it has taken a second)."""
+    r = _run("--config", "tiny-switchhead", "--data", corpus, "--out", tmp_path / "o", "--vocab-size", 400,
+             "--steps", 2, "--batch-size", 2, "--eval-data", corpus, "--eval-every", 1,
+             "--cache-dir", tmp_path / "cache")
+    assert r.exit_code == 0, r.output
+    for label in ("training a tokenizer (vocab size up to 400)", "validation:", "train:"):
+        assert label in r.stderr, (label, r.stderr[-2000:])

@@ -163,8 +163,14 @@ class TokenStream:
 
 
 def load_stream(
-    sp: spm.SentencePieceProcessor, files: Sequence[str | Path], cache_dir: str | Path, *, unwrap: bool = False
+    sp: spm.SentencePieceProcessor, files: Sequence[str | Path], cache_dir: str | Path, *, unwrap: bool = False,
+    progress: bool = False,
 ) -> TokenStream:
+    """The files' token streams, one after another (each tokenized on first use, then read from the cache)."""
+    from tqdm import tqdm
+
+    # Shown only when tokenizing takes a while (the cache makes it instant after the first run).
+    files = tqdm(files, desc="tokens", unit="file", disable=not progress, leave=False, delay=1.0)
     return TokenStream([cached_tokens(sp, f, cache_dir, unwrap=unwrap) for f in files])
 
 

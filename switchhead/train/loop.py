@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,7 @@ def evaluate(
     n_lanes: int,
     device: torch.device,
     amp_dtype: torch.dtype = torch.float32,
+    progress: str | None = None,
 ) -> dict[str, float]:
     """Per-token loss and perplexity over `stream`, chunk by chunk with XL memory (split across DDP ranks)."""
     was_training = model.training
@@ -189,7 +191,7 @@ def evaluate(
         with _autocast(device, amp_dtype):
             return model(x.to(device), memory)
 
-    nll, scored = stream_nll(logits, stream, n_lanes, cfg.chunk_len, lanes=list(lanes))
+    nll, scored = stream_nll(logits, stream, n_lanes, cfg.chunk_len, lanes=list(lanes), progress=progress)
     # A rank without lanes (more ranks than lanes) still joins the all-reduce, with zeros.
     nll = torch.zeros((), dtype=torch.float64, device=device) if nll is None else nll
     count = torch.tensor(float(scored), dtype=torch.float64, device=device)
@@ -356,6 +358,9 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         # rank 0 trains and the others receive its model, so all ranks tokenize identically.
         proto = [None]
         if is_main:
+            if opts.progress:  # SentencePiece reports nothing while it trains
+                tqdm.write(f"training a tokenizer (vocab size up to {opts.vocab_size}) on the data ...",
+                           file=sys.stderr)
             proto[0] = train_tokenizer(
                 data_files, opts.vocab_size, max_sentences=opts.tokenizer_sentences, seed=opts.seed,
                 unwrap=opts.unwrap,
@@ -373,7 +378,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
 
     # Token caches: rank 0 builds them, the others then map the finished files.
     if is_main:
-        load_stream(sp, data_files + eval_files, cache_dir, unwrap=opts.unwrap)
+        load_stream(sp, data_files + eval_files, cache_dir, unwrap=opts.unwrap, progress=opts.progress)
     _barrier()
     stream = load_stream(sp, data_files, cache_dir, unwrap=opts.unwrap)
     my_lanes = tuple(range(rank * per_rank, (rank + 1) * per_rank))
@@ -449,6 +454,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         initial=start_step,
         disable=not (is_main and opts.progress),
         dynamic_ncols=True,
+        desc="train",
         unit="step",
     )
     last_loss = val_ppl = None
@@ -604,9 +610,11 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                 bar.update(1)
 
                 if eval_stream is not None and (done % opts.eval_every == 0 or done == opts.steps):
-                    evaluating = True
-                    ev = evaluate(model, eval_stream, opts.eval_batch_size or opts.batch_size, device, amp_dtype)
+                    evaluating, t_eval = True, time.perf_counter()
+                    ev = evaluate(model, eval_stream, opts.eval_batch_size or opts.batch_size, device, amp_dtype,
+                                  progress="validation" if opts.progress and is_main else None)
                     evaluating = False
+                    t_last += time.perf_counter() - t_eval  # tokens/s counts training steps only
                     if not math.isfinite(ev["val_loss"]):
                         raise diverged(done, f"the validation loss is {ev['val_loss']}")
                     val_ppl = ev["val_ppl"]
@@ -625,7 +633,9 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     step = done
                     break
                 if done % opts.save_every == 0 or done == opts.steps:
+                    t_save = time.perf_counter()
                     checkpoint(done)
+                    t_last += time.perf_counter() - t_save
                 step = done
     except (RuntimeError, MemoryError) as exc:
         if not out_of_memory(exc):
