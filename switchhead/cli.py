@@ -100,9 +100,14 @@ def info(config_spec, ckpt, as_json):
         click.echo(json.dumps(s, indent=2))
         return
     c = s["config"]
+    experts = ""
+    if c["attention"] == "switchhead":
+        experts = f", E={c['n_experts']} k={c['k']}, MoE {'/'.join(c['moe_projections']).upper()}" + (
+            ", shared selection" if c.get("shared_selection") else "")
+    elif c["attention"] == "moa":
+        experts = f", E={c['n_experts']} k={c['k']} query/output experts, shared K/V"
     click.echo(f"model: {s['name']}  ({c['attention']} attention, {c['n_heads']} heads x d_head {c['d_head']}"
-               + (f", E={c['n_experts']} k={c['k']}, MoE {'/'.join(c['moe_projections']).upper()}"
-                  if c["attention"] != "dense" else "")
+               + experts
                + f"; {c['n_layers']} layers, d_model {c['d_model']}, {c['ff']} feed-forward, "
                  f"{c['positional']} positions, T={c['chunk_len']}, memory chunks {c['mem_chunks']})")
     click.echo("parameters:")

@@ -109,6 +109,20 @@ def test_moa_formula():
     assert attention_macs(cfg) == (2 * h + 2) * t * dh * d + 2 * h * 2 * t * t * dh + 2 * 2 * t * dh * d
 
 
+@pytest.mark.parametrize("attention", ["dense", "switchhead", "moa"])
+def test_rope_counts_no_position_projection(attention):
+    """RoPE has no projected relative positions: exactly the formulas' positional term goes, with or without
+    memory."""
+    base = {"dense": "tiny-transformer", "switchhead": "tiny-switchhead", "moa": "tiny-moa"}[attention]
+    for mem in (1, 0):
+        xl = PRESETS[base].replace(mem_chunks=mem)
+        rope = xl.replace(positional="rope")
+        c, t, dh, d = 1 + mem, xl.chunk_len, xl.d_head, xl.d_model
+        heads = 1 if attention == "moa" else xl.n_heads  # MoA projects positions for its one K/V head
+        assert attention_macs(xl) - attention_macs(rope) == heads * 2 * c * t * dh * d
+        assert attention_memory(xl) - attention_memory(rope) == heads * 2 * c * t * dh
+
+
 def test_param_count_matches_hand_count():
     cfg = PRESETS["tiny-switchhead"]
     d, h, e, dh, v, f = cfg.d_model, cfg.n_heads, cfg.n_experts, cfg.d_head, cfg.vocab_size, cfg.d_ff
@@ -201,3 +215,11 @@ def test_empty_paths_are_refused_not_read_as_the_current_directory(args, tmp_pat
 def test_a_directory_is_not_a_config_file(tmp_path):
     with pytest.raises(ConfigError, match=f"{tmp_path} is a directory, not a config file"):
         resolve_config(str(tmp_path))
+
+
+def test_info_header_names_what_each_attention_routes():
+    out = {name: CliRunner().invoke(main, ["info", "--config", name]).output.splitlines()[0]
+           for name in ("tiny-moa", "switchhead-47m-shared", "switchhead-47m", "tiny-transformer")}
+    assert "E=4 k=2 query/output experts, shared K/V" in out["tiny-moa"] and "MoE" not in out["tiny-moa"]
+    assert "MoE V/O, shared selection" in out["switchhead-47m-shared"]
+    assert "MoE V/O;" in out["switchhead-47m"] and "E=" not in out["tiny-transformer"]

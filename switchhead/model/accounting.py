@@ -54,23 +54,28 @@ def _count_built(config: ModelConfig) -> dict[str, int]:
 
 
 def attention_macs(config: ModelConfig) -> int:
-    """Multiply-accumulates of one attention layer for one sequence of T tokens (paper appendix formulas)."""
+    """Multiply-accumulates of one attention layer for one sequence of T tokens (paper appendix formulas). Their
+    last term projects the C*T relative positions (Transformer-XL); RoPE has no such projection, so its models
+    count without it (the rotation itself, a few element-wise products, is left out as in the paper)."""
     h, t, dh, d, k = config.n_heads, config.chunk_len, config.d_head, config.d_model, config.k
     c = 1 + config.mem_chunks
+    pos = 2 * c * t * dh * d if config.positional == "xl" else 0
     if config.attention == "dense":
-        return h * (4 * t * dh * d + 2 * c * t * t * dh + 2 * c * t * dh * d)
+        return h * (4 * t * dh * d + 2 * c * t * t * dh + pos)
     if config.attention == "switchhead":
-        return h * (2 * t * dh * d + 2 * t * k * dh * (d + 1) + 2 * c * t * t * dh + 2 * c * t * dh * d)
-    return (2 * h + 2) * t * dh * d + 2 * h * c * t * t * dh + 2 * c * t * dh * d
+        return h * (2 * t * dh * d + 2 * t * k * dh * (d + 1) + 2 * c * t * t * dh + pos)
+    return (2 * h + 2) * t * dh * d + 2 * h * c * t * t * dh + pos
 
 
 def attention_memory(config: ModelConfig) -> int:
-    """Floats of attention state of one layer for one sequence (paper appendix formulas)."""
+    """Floats of attention state of one layer for one sequence (paper appendix formulas; the projected relative
+    positions, their last term, only for Transformer-XL positions)."""
     h, t, dh = config.n_heads, config.chunk_len, config.d_head
     c = 1 + config.mem_chunks
+    pos = 2 * c * t * dh if config.positional == "xl" else 0
     if config.attention == "moa":
-        return (2 * h + 2) * t * dh + 2 * h * c * t * t + 2 * c * t * dh
-    return h * (4 * t * dh + 2 * c * t * t + 2 * c * t * dh)
+        return (2 * h + 2) * t * dh + 2 * h * c * t * t + pos
+    return h * (4 * t * dh + 2 * c * t * t + pos)
 
 
 def kv_heads(config: ModelConfig) -> int:
