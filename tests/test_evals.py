@@ -246,7 +246,11 @@ def test_cli_text_perplexity_same_for_checkpoint_and_onnx_export(env, tmp_path):
         r = run_cli("--text", str(path), flag, str(where), "--batch-size", "2", "--output", str(out), "--no-progress")
         assert r.exit_code == 0, r.output
         assert re.search(r"text held.txt\s+perplexity\s+\d", r.output), r.output
-        (rows[flag],) = json.loads(out.read_text())["text"]
+        results = json.loads(out.read_text())
+        (rows[flag],) = results["text"]
+        # The file says what was evaluated, and how.
+        assert results["config"]["model_args"] == f"{flag[2:]}={where}" and results["config"]["batch_size"] == 2
+        assert results["switchhead"][flag[2:]] == str(where) and results["switchhead"]["unwrap"] is False
     assert rows["--ckpt"]["tokens"] == rows["--onnx"]["tokens"] and rows["--ckpt"]["lanes"] == 2
     assert rows["--onnx"]["loss"] == pytest.approx(rows["--ckpt"]["loss"], rel=1e-5)
     # The text-only results file is an earlier results file: a later run may replace it.

@@ -113,9 +113,23 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
         from switchhead.evals.text import text_perplexity
 
         results["text"] = text_perplexity(lm.backend, lm.tokenizer, texts, batch_size, progress, unwrap=unwrap)
+    # What was evaluated and how: lm-eval records nothing of a model passed as an object.
+    results["config"].update(model="switchhead", model_args=_model_args(ckpt, onnx, model), batch_size=batch_size,
+                             limit=limit)
+    results["switchhead"] = {"ckpt": None if ckpt is None else str(ckpt), "onnx": None if onnx is None else str(onnx),
+                             "builtin_model": ckpt is None and onnx is None and model is None,
+                             "batch_size": batch_size, "limit": limit, "unwrap": unwrap, "device": device}
     if output is not None:
         write_atomic(output, json.dumps(results, indent=2, default=_jsonable))
     return results
+
+
+def _model_args(ckpt, onnx, model) -> str:
+    if onnx is not None:
+        return f"onnx={onnx}"
+    if ckpt is not None:
+        return f"ckpt={ckpt}"
+    return "model=<object>" if model is not None else "ckpt=<built-in model>"
 
 
 def check_output(output: str | Path) -> None:
