@@ -183,12 +183,23 @@ def balance(counts: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ JSON
+def _digits(a: np.ndarray, significant: int = 7) -> list:
+    """`a` as nested lists of floats with `significant` digits: about float32's precision, so nothing below it
+    is lost (rounding to decimal places turned small probabilities into 0), written briefly (float32 values
+    read as float64 print 17 digits: 0.008652999997138977)."""
+    a = np.asarray(a, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        magnitude = np.floor(np.log10(np.abs(a), where=a != 0, out=np.zeros_like(a)))
+    scale = 10.0 ** (significant - 1 - magnitude)
+    return (np.round(a * scale) / scale).tolist()  # an integer over a power of ten: the shortest repr
+
+
 def to_json(cfg, pieces: list[str], ids: Sequence[int], chunks: list[ChunkTrace], heads: list[int]) -> dict:
     """Plain nested lists: per chunk, layer and head the attention matrix [T][S] and the experts and gates each
     token chose ("v": one row per key column, memory first; "o": one row per query)."""
     def side(trace, name, h):
         sel = head_selection(cfg, trace, name, h)
-        return None if sel is None else {"experts": sel[0].tolist(), "gates": np.round(sel[1], 6).tolist()}
+        return None if sel is None else {"experts": sel[0].tolist(), "gates": _digits(sel[1])}
 
     layers = sorted(chunks[0].layers) if chunks else []
     return {
@@ -208,7 +219,7 @@ def to_json(cfg, pieces: list[str], ids: Sequence[int], chunks: list[ChunkTrace]
                 "layer": i,
                 "heads": [{
                     "head": h,
-                    "attention": np.round(ch.layers[i].probs[h], 6).tolist(),
+                    "attention": _digits(ch.layers[i].probs[h]),
                     "v": side(ch.layers[i], "v", h),
                     "o": side(ch.layers[i], "o", h),
                 } for h in heads],
