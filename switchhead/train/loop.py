@@ -405,8 +405,16 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     start_step, memory = 0, None
+    # This log interval's per-step losses and gradient norms so far: a checkpoint keeps them, so that the first
+    # log line after a resume averages the same steps as an uninterrupted run's.
+    pending_losses: list[float] = []
+    pending_norms: list[float] = []
     if opts.resume:
         state, trainer_tensors = read_resume_state(ckpt_dir, model, opt, config, opts.batch_size)
+        interval = state.get("log_interval_by_rank")
+        if isinstance(interval, list) and len(interval) == world and isinstance(interval[rank], dict):
+            pending_losses = [float(v) for v in interval[rank].get("losses", [])]
+            pending_norms = [float(v) for v in interval[rank].get("grad_norms", [])]
         if state.get("scaler"):
             try:
                 scaler.load_state_dict(state["scaler"])
@@ -520,6 +528,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         full_memory = _gather_lanes(memory)
         rngs = _gather_objects({k: v.tolist() for k, v in _rng_state(device).items()})
         sums = _gather_objects(_param_checksum(model))
+        interval = _gather_objects({"losses": [float(v) for v in losses], "grad_norms": [float(v) for v in norms]})
         # A sum of float32 values in float64 cannot overflow: it is finite exactly when every weight is.
         # Checked before every save: the loss is only looked at every --log-every steps, and a finite loss says
         # nothing of the update it drove.
@@ -540,6 +549,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                 "tokens_seen": step_done * tokens_per_step,
                 "world_size": world,
                 "param_checksums_by_rank": sums,
+                "log_interval_by_rank": interval,
                 "scaler": scaler.state_dict() if scaler.is_enabled() else None,
                 "run": spec,
             }
@@ -552,9 +562,9 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
         with _StopFlag() as stop:
             model.train()
             # This log interval's losses and gradient norms, left on the device: no sync per step.
-            losses: list[torch.Tensor] = []
-            norms: list[torch.Tensor] = []
-            t_last = time.perf_counter()
+            losses = [torch.tensor(v, device=device) for v in pending_losses]
+            norms = [torch.tensor(v, device=device) for v in pending_norms]
+            t_last, timed_steps = time.perf_counter(), 0  # steps this process ran since t_last
             for step in range(start_step, opts.steps):
                 if batcher.position(step)[1] == 0:
                     memory = None  # a new epoch starts every lane over: the old memory is not its context
@@ -574,7 +584,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                 scaler.update()
                 losses.append(lm_loss)
                 norms.append(grad_norm)
-                done = step + 1
+                done, timed_steps = step + 1, timed_steps + 1
 
                 if done % opts.log_every == 0 or done == opts.steps:
                     per_step = torch.stack(losses)
@@ -591,7 +601,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     # scaler skipped for overflow has none.
                     finite = [v for v in torch.stack(norms).tolist() if math.isfinite(v)]
                     now = time.perf_counter()
-                    tps = len(values) * tokens_per_step / max(now - t_last, 1e-9)
+                    tps = timed_steps * tokens_per_step / max(now - t_last, 1e-9)
                     log(
                         {
                             "step": done,
@@ -606,7 +616,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                     bar.set_postfix(
                         loss=f"{last_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}", refresh=False
                     )
-                    losses, norms, t_last = [], [], now
+                    losses, norms, t_last, timed_steps = [], [], now, 0
                 bar.update(1)
 
                 if eval_stream is not None and (done % opts.eval_every == 0 or done == opts.steps):
