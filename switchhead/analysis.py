@@ -320,8 +320,8 @@ def attention_figure(path: Path, probs: np.ndarray, row_labels: list[str], col_l
     _save(fig, path)
 
 
-def usage_figure(path: Path, usage: dict[str, np.ndarray], title: str, group_labels: list[str]) -> None:
-    """Grouped bars: how often each expert was chosen, per head, one panel per side (V, O)."""
+def usage_figure(path: Path, usage: dict[str, np.ndarray], title: str, group_labels: list[str]):
+    """Grouped bars: how often each expert was chosen, per head, one panel per side (V, O). Returns the figure."""
     sides = [s for s in ("v", "o") if s in usage]
     fig = _new_figure(4.0 * len(sides) + 1, 3.0)
     for j, side in enumerate(sides):
@@ -329,17 +329,22 @@ def usage_figure(path: Path, usage: dict[str, np.ndarray], title: str, group_lab
         counts = usage[side]
         n_groups, n_experts = counts.shape
         bar = 0.8 / n_groups
+        top = 1.0 / n_experts
         for g in range(n_groups):
             share = counts[g] / max(counts[g].sum(), 1)
+            top = max(top, float(share.max()))
             ax.bar(np.arange(n_experts) + (g - (n_groups - 1) / 2) * bar, share, bar,
                    label=f"{group_labels[g]} (balance {balance(counts[g]):.2f})")
         ax.axhline(1.0 / n_experts, color="black", linewidth=0.6, linestyle=":")  # perfect balance
         ax.set_xticks(range(n_experts))
         ax.set_xlabel(f"{side.upper()} expert")
         ax.set_ylabel("share of selections")
-        ax.legend(fontsize=6)
+        # Room above the tallest bar for the legend, one line per group, so that it covers no bar.
+        ax.set_ylim(0, top * (1.15 + 0.12 * n_groups))
+        ax.legend(fontsize=6, loc="upper right")
     fig.suptitle(title, fontsize=8)
     _save(fig, path)
+    return fig
 
 
 

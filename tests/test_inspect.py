@@ -305,3 +305,20 @@ def test_output_directory_is_new_empty_or_an_earlier_report(ckpt, tmp_path):
     r = _run("--ckpt", ckpt / "ckpt", "--text", TEXT, "--out", out, "--layers", "1")
     assert r.exit_code == 2 and "refusing to replace" in r.output, r.output
     assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("n_groups, n_experts, peak", [(1, 16, 0), (2, 5, 4), (4, 8, 7), (4, 8, 0)])
+def test_usage_legend_covers_no_bar(tmp_path, n_groups, n_experts, peak):
+    from switchhead.analysis import usage_figure
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(1, 20, (n_groups, n_experts))
+    counts[:, peak] = 400  # one expert takes most selections: its bar reaches the top of the data
+    fig = usage_figure(tmp_path / "u.png", {"v": counts, "o": counts[::-1]}, "t", [f"head {g}" for g in
+                                                                                   range(n_groups)])
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        bars = [p.get_window_extent(renderer) for p in ax.patches]
+        assert len(bars) == n_groups * n_experts
+        assert not any(legend.overlaps(b) for b in bars), (n_groups, peak)
