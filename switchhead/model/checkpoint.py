@@ -58,9 +58,8 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
         raise CheckpointError(f"the tokenizer {problem}")  # load would refuse the checkpoint
     path = check_output_dir(path, _replaceable, "a switchhead checkpoint")
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    for k, t in tensors.items():  # load refuses these: a checkpoint that was saved can always be loaded
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"cannot save: tensor {k} has NaN or infinite values")
+    if (bad := _nonfinite(tensors)) is not None:  # load refuses these: a saved checkpoint can always be loaded
+        raise CheckpointError(f"cannot save: tensor {bad} has NaN or infinite values")
     with atomic_directory(path) as tmp:
         (tmp / CONFIG).write_text(model.config.to_json())
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -149,14 +148,19 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
         if not tensors[k].dtype.is_floating_point:  # every weight of the model is
             raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has dtype {str(tensors[k].dtype)[6:]}, the model "
                                   "expects a floating-point dtype")
-    stored = tensors
+    # A NaN or inf weight raises nothing later: every output is NaN, read as garbage text.
+    if (bad := _nonfinite(tensors)) is not None:
+        raise CheckpointError(f"{path / WEIGHTS}: tensor {bad} has NaN or infinite values")
     if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    for k, t in tensors.items():  # a NaN or inf weight raises nothing later: every output is NaN, garbage text
-        if not bool(torch.isfinite(t).all()):
-            problem = "has NaN or infinite values" if t is stored[k] or not bool(torch.isfinite(stored[k]).all()) \
-                else f"overflows {str(dtype)[6:]}"
-            raise CheckpointError(f"{path / WEIGHTS}: tensor {k} {problem}")
+        cast = {k: v.to(dtype) for k, v in tensors.items() if v.dtype != dtype}
+        if (bad := _nonfinite(cast)) is not None:
+            raise CheckpointError(f"{path / WEIGHTS}: tensor {bad} overflows {str(dtype)[6:]}")
+        tensors.update(cast)
     model.load_state_dict(tensors, assign=True)
     model.eval()
     return model, read_tokenizer(path / TOKENIZER, config)
+
+
+def _nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity, or None."""
+    return next((k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
