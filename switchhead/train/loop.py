@@ -405,16 +405,16 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     start_step, memory = 0, None
-    # This log interval's per-step losses and gradient norms so far: a checkpoint keeps them, so that the first
-    # log line after a resume averages the same steps as an uninterrupted run's.
-    pending_losses: list[float] = []
-    pending_norms: list[float] = []
+    # This log interval's per-step losses and gradient norms, left on the device (no sync per step). A checkpoint
+    # keeps them, so that the first log line after a resume averages the same steps as an uninterrupted run's.
+    losses: list[torch.Tensor] = []
+    norms: list[torch.Tensor] = []
     if opts.resume:
         state, trainer_tensors = read_resume_state(ckpt_dir, model, opt, config, opts.batch_size)
         interval = state.get("log_interval_by_rank")
         if isinstance(interval, list) and len(interval) == world and isinstance(interval[rank], dict):
-            pending_losses = [float(v) for v in interval[rank].get("losses", [])]
-            pending_norms = [float(v) for v in interval[rank].get("grad_norms", [])]
+            losses = [torch.tensor(float(v), device=device) for v in interval[rank].get("losses", [])]
+            norms = [torch.tensor(float(v), device=device) for v in interval[rank].get("grad_norms", [])]
         if state.get("scaler"):
             try:
                 scaler.load_state_dict(state["scaler"])
@@ -561,9 +561,6 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
     try:
         with _StopFlag() as stop:
             model.train()
-            # This log interval's losses and gradient norms, left on the device: no sync per step.
-            losses = [torch.tensor(v, device=device) for v in pending_losses]
-            norms = [torch.tensor(v, device=device) for v in pending_norms]
             t_last, timed_steps = time.perf_counter(), 0  # steps this process ran since t_last
             for step in range(start_step, opts.steps):
                 if batcher.position(step)[1] == 0:
