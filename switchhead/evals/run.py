@@ -108,7 +108,7 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
         if results is None:  # non-zero ranks under torch.distributed
             return {}
     else:  # the same keys, so that the file reads as results (and a later run may replace it)
-        results = {"results": {}, "configs": {}, "versions": {}, "config": {"model": "switchhead"}}
+        results = {"results": {}, "configs": {}, "versions": {}, "config": {}}
     if texts:
         from switchhead.evals.text import text_perplexity
 
