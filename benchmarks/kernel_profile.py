@@ -3,11 +3,13 @@ on the GPU (torch.profiler), per shape of `benchmarks/kernels.py`, beside the wa
 
     python benchmarks/kernel_profile.py                       # bf16, N = 4096 and 16384
     python benchmarks/kernel_profile.py --n 16384 --tuning    # also the autotuner's time for every tile
+    python benchmarks/kernel_profile.py --n 16384 --other     # also each kernel counted as "other"
     SWITCHHEAD_KERNEL=torch python benchmarks/kernel_profile.py   # the PyTorch paths on the GPU
 
-"grouped" is `_grouped_matmul_kernel` (the forward in the forward, grad_x in the backward), "weight grad"
-`_weight_grad_kernel`, "gather" `_gather_kernel`; "other" is everything else the call launches (pair sort,
-padding copies, dtype conversions, the fp32 buffer's memset, reductions). Needs CUDA.
+"sort" is the counting sort of the pairs by expert (`_count_pairs_kernel` and `_place_pairs_kernel`; the cumsum
+between them is in "other"), "grouped" `_grouped_matmul_kernel` (the forward in the forward, grad_x in the
+backward), "weight grad" `_weight_grad_kernel`, "gather" `_gather_kernel`; "other" is everything else the call
+launches (padding copies, dtype conversions, the fp32 buffer's memset, reductions). Needs CUDA.
 """
 
 from __future__ import annotations
@@ -21,15 +23,30 @@ from triton.testing import do_bench
 
 from switchhead.kernels import expert_projection
 
-NAMES = {"_grouped_matmul_kernel": "grouped", "_weight_grad_kernel": "weight grad", "_gather_kernel": "gather"}
+NAMES = {
+    "_count_pairs_kernel": "sort",
+    "_place_pairs_kernel": "sort",
+    "_grouped_matmul_kernel": "grouped",
+    "_weight_grad_kernel": "weight grad",
+    "_gather_kernel": "gather",
+}
 
 
 def split(times: dict[str, float]) -> str:
     """'total ms (name us, ..., other us)' for one call."""
-    ours = {NAMES[k]: v for k, v in times.items() if k in NAMES}
+    ours: dict[str, float] = {}
+    for k, v in times.items():
+        if k in NAMES:
+            ours[NAMES[k]] = ours.get(NAMES[k], 0.0) + v
     other = sum(times.values()) - sum(ours.values())
     parts = [f"{name} {1e3 * v:.0f}" for name, v in ours.items()] + [f"other {1e3 * other:.0f}"]
     return f"{sum(times.values()):.4f} | {', '.join(parts)}"
+
+
+def others(times: dict[str, float]) -> str:
+    """The kernels counted as 'other', longest first: 'us name; ...' (names cut to 60 characters)."""
+    rest = sorted(((v, k) for k, v in times.items() if k not in NAMES), reverse=True)
+    return "; ".join(f"{1e3 * v:.1f} {k[:60]}" for v, k in rest)
 
 
 def tuning(kernel) -> str:
@@ -47,6 +64,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="*", default=[4096, 16384], help="token counts")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--tuning", action="store_true", help="print the autotuner's timings too")
+    parser.add_argument("--other", action="store_true", help="list the kernels counted as 'other' too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -70,10 +88,13 @@ def main() -> None:
             bwd()
             torch.cuda.synchronize()
             tuned_bwd = f"{tuning(tk._grouped_matmul_kernel)} || {tuning(tk._weight_grad_kernel)}"
-            cells = [split(kernel_times(fwd)), f"{do_bench(fwd):.4f}", split(kernel_times(bwd)), f"{do_bench(bwd):.4f}"]
+            fwd_times, bwd_times = kernel_times(fwd), kernel_times(bwd)
+            cells = [split(fwd_times), f"{do_bench(fwd):.4f}", split(bwd_times), f"{do_bench(bwd):.4f}"]
             print(f"| {case.name} | {n} | " + " | ".join(cells) + " |", flush=True)
             if args.tuning:
                 print(f"\n    tuning, forward: {tuned_fwd}\n    tuning, backward: {tuned_bwd}\n")
+            if args.other:
+                print(f"\n    other, forward: {others(fwd_times)}\n    other, backward: {others(bwd_times)}\n")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ PRECISIONS = {  # name: dtype, allow TF32 for fp32 matmuls
     "fp32 (TF32)": (torch.float32, True),
     "fp32 (IEEE)": (torch.float32, False),
 }
-STEP = {  # what each launch of a kernel computes, in launch order
+STEP = {  # what each launch of a kernel computes, in launch order (None: the same build again)
+    "_count_pairs_kernel": ["sort (count)", None],
+    "_place_pairs_kernel": ["sort (place)", None],
     "_grouped_matmul_kernel": ["forward", "grad_x"],
     "_weight_grad_kernel": ["grad_w"],
     "_gather_kernel": ["decode"],
@@ -51,7 +53,7 @@ def _launches(case, dtype, allow_tf32: bool) -> list[tuple[str, gpu_build.Launch
         for launch in gpu_build.launches(x, w, index, gate, case.n_out, allow_tf32):
             step = STEP[launch.kernel][seen[launch.kernel]]
             seen[launch.kernel] += 1
-            if (step == "decode") == (n == 1):
+            if step is not None and (step == "decode") == (n == 1):
                 out.append((step, launch))
     return out
 
@@ -112,6 +114,8 @@ def main() -> None:
         tensor_cores = f"{sum(b.tensor_cores for b in builds)}/{n}"
         if step == "decode":  # a vector per output row: the CUDA cores, by design
             tensor_cores = "n/a"
+        if step.startswith("sort"):  # one block of expert ids per program: no tiles to stage or multiply
+            async_copies = loads_in_flight = tensor_cores = "n/a"
         print(
             f"| {precision} | {step} | {n} | {max(b.registers for b in builds)} | {spills} "
             f"| {max(b.stack_bytes for b in builds)} | {max(b.shared_bytes for b in builds) / 1024:.1f} "

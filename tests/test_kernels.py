@@ -278,15 +278,21 @@ def test_opcheck_triton(backend):
     )
 
 
-@pytest.mark.parametrize("n_experts", [1, 5, 255, 256, 300, 2**15, 40000])  # uint8, int16 and int64 sort keys
-def test_sort_pairs_groups_pairs_by_expert_stably(n_experts):
+# Counting sort (up to 64 experts) and torch.sort beyond, with int16 and int64 keys; pair counts below one
+# block, across several and not a multiple of any.
+@pytest.mark.parametrize("n_experts", [1, 5, 16, 63, 64, 65, 2**15, 40000])
+@pytest.mark.parametrize("n_tokens", [1, 37, 700])
+def test_sort_pairs_groups_pairs_by_expert_stably(n_experts, n_tokens, backend):
+    backend("triton")
     from switchhead.kernels import triton_kernels
 
     g = torch.Generator().manual_seed(n_experts)
-    index = torch.randint(0, n_experts, (37, 6), generator=g)
+    index = torch.randint(0, n_experts, (n_tokens, 6), generator=g)
     index[0, 0] = n_experts - 1  # the largest expert id is present
-    order, offsets = triton_kernels._sort_pairs(index.to(DEVICE), n_experts)
+    index[-1, -1] = 0
+    order, offsets = triton_kernels.load()._sort_pairs(index.to(DEVICE), n_experts)
     flat = index.reshape(-1)
+    assert order.dtype == offsets.dtype == torch.int32
     assert order.tolist() == torch.argsort(flat, stable=True).tolist()
     assert offsets.tolist() == [0] + torch.bincount(flat, minlength=n_experts).cumsum(0).tolist()
 
@@ -465,16 +471,20 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
     _, many = make(Shape(40, 2, 6, 1, 10, 76, 20), dtype)  # an O projection over 40 tokens
     _, decode = make(Shape(2, 1, 6, 2, 10, 20, 76), dtype)  # a V projection at decode (the gather kernel)
     launches = gpu_build.launches(*many[:4], 1) + gpu_build.launches(*decode[:4], 2)
-    expected = ["_grouped_matmul_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel"]  # fwd, grad_x, grad_w
-    expected += ["_gather_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel"]
+    sort = ["_count_pairs_kernel", "_place_pairs_kernel"]
+    expected = [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
+    expected += ["_gather_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]  # fwd, grad_x, grad_w
     assert [launch.kernel for launch in launches] == expected
     splits = triton_kernels.load()._weight_grad_kernel.fn.arg_names.index("SPLITS")
-    assert launches[2].args[splits] > 1 and launches[5].args[splits] == 1
+    assert launches[6].args[splits] > 1 and launches[11].args[splits] == 1
     for launch in launches:
         configs = gpu_build.configs(launch)
         for config in configs if every_config else configs[:1]:
             build = gpu_build.build(launch, config)
             assert build.stack_bytes == 0, (launch.kernel, config, build)
+            if launch.kernel in sort:  # one block of expert ids per program: nothing to stage or multiply
+                assert build.atomics == (), build
+                continue
             assert build.async_copies, (launch.kernel, config, build)
             # The decode kernel multiplies on the CUDA cores by design (a vector per row, not a tile).
             assert build.tensor_cores or dtype == torch.float32 or launch.kernel == "_gather_kernel", build
@@ -504,7 +514,7 @@ def test_triton_builds_for_sm100_use_the_tensor_cores(monkeypatch):
 
     assert not triton_kernels.load()._INTERPRETED
     _, inputs = make(Shape(40, 2, 6, 1, 10, 76, 20), torch.bfloat16)
-    forward = gpu_build.launches(*inputs[:4], 1)[0]
+    forward = next(launch for launch in gpu_build.launches(*inputs[:4], 1) if launch.kernel == "_grouped_matmul_kernel")
     build = gpu_build.build(forward, gpu_build.configs(forward)[0], arch=100)
     assert build.tensor_cores and build.async_copies and build.mma_in_flight is None, build
 

@@ -49,7 +49,9 @@ class Build:
     atomics: tuple[str, ...]  # the distinct atomic instructions in the PTX, e.g. atom.global.gpu.relaxed.add.v4.f32
 
 
-KERNELS = ("_grouped_matmul_kernel", "_weight_grad_kernel", "_gather_kernel")
+KERNELS = (
+    "_count_pairs_kernel", "_place_pairs_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel", "_gather_kernel"
+)
 
 
 def _compiled_module() -> ModuleType:

@@ -113,7 +113,7 @@ _MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
 }
 _WEIGHT_GRAD_TILES = {  # BLOCK_P, BLOCK_K, BLOCK_N, warps, stages
     "mma": [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)],
-    "fma": [(16, 64, 64, 4, 4), (32, 32, 64, 4, 4), (32, 64, 32, 4, 4), (16, 64, 64, 8, 4)],
+    "fma": [(16, 64, 64, 8, 4), (32, 32, 64, 8, 4), (32, 64, 32, 8, 4), (16, 32, 64, 4, 4)],
 }
 
 
@@ -176,16 +176,21 @@ def interpreter_clash(triton_version: str, numpy_version: str) -> str | None:
 
 
 def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
-    """Pair ids (n*S + s) sorted by expert, and offsets[e]..offsets[e+1] = the pairs of expert e.
+    """Pair ids (n*S + s) sorted by expert (int32), and offsets[e]..offsets[e+1] = the pairs of expert e.
 
     The sort is stable so that the weight gradient sums every expert's pairs in the same order each run.
-    Nothing is copied to the host: the kernels find their tiles from `offsets` themselves. (torch.bincount would
-    count the pairs per expert in one op, but on CUDA it reads the largest index on the host first: a sync per call.)
+    Nothing is copied to the host: the kernels find their tiles from `offsets` themselves. Up to
+    COUNTING_SORT_MAX_EXPERTS experts it is a counting sort in three launches (`_count_pairs_kernel`, a cumsum,
+    `_place_pairs_kernel`); above, torch.sort.
     """
+    flat = index.reshape(-1)
+    if n_experts <= COUNTING_SORT_MAX_EXPERTS:
+        return _counting_sort(flat, n_experts)
     # The narrowest key that holds every expert id and E itself: CUDA's radix sort makes one pass per key byte
-    # (one instead of eight for int64).
-    key_dtype = torch.uint8 if n_experts < 2**8 else torch.int16 if n_experts < 2**15 else index.dtype
-    keys, order = torch.sort(index.reshape(-1).to(key_dtype), stable=True)
+    # (one instead of eight for int64). (torch.bincount would count the pairs per expert in one op, but on CUDA it
+    # reads the largest index on the host first: a sync per call.)
+    key_dtype = torch.int16 if n_experts < 2**15 else flat.dtype
+    keys, order = torch.sort(flat.to(key_dtype), stable=True)
     bounds = torch.arange(n_experts + 1, dtype=keys.dtype, device=keys.device)
     return order.to(torch.int32), torch.searchsorted(keys, bounds, out_int32=True)
 
@@ -194,11 +199,81 @@ def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
 # The kernels avoid triton.language's own @jit helpers (tl.cdiv, tl.zeros, tl.sum, tl.cumsum): when triton
 # was imported before TRITON_INTERPRET=1 was set (torch imports it early), those stay compiled-mode functions
 # that the interpreter cannot call. Builtins (tl.full, tl.reduce, tl.associative_scan, tl.dot) work in both.
+#
+# The combine function of every sum: triton's own (a + b). The interpreter recognises it and sums or scans with
+# NumPy, where a function of ours is called once per element (the counting sort's scans took minutes in tests).
+_add = tl.standard._sum_combine
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 0. Counting sort of the pairs by expert
+
+
+# Experts up to which pairs are sorted by counting. Each block of pairs is compared with every expert at once
+# (a [block, experts] one-hot), so the block shrinks as experts grow: past this many, the [experts, blocks]
+# count table grows larger than the pairs, and torch.sort takes over.
+COUNTING_SORT_MAX_EXPERTS = 64
+
+
+def _counting_block(n_experts: int) -> int:
+    # 2**12 one-hot cells per program: with 2**14 the sm_90 build of the placing kernel spilled (4 warps).
+    # 2**8 under the interpreter, which runs the programs one at a time (tests then see several blocks).
+    cells = 2**8 if _INTERPRETED else 2**12
+    return max(16, cells // triton.next_power_of_2(n_experts + 1))
 
 
 @triton.jit
-def _add(a, b):
-    return a + b
+def _one_hot(index_ptr, n_pairs, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+    """Pair ids of this program's block and their [BLOCK, E_PAD] one-hot expert rows (all zero past the end)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(index_ptr + offs, mask=offs < n_pairs, other=E_PAD).to(tl.int32)
+    hot = (expert[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+    return offs, hot
+
+
+@triton.jit
+def _count_pairs_kernel(index_ptr, counts_ptr, n_pairs, n_experts, n_blocks, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+    """counts[e, b] = pairs of block b on expert e: expert-major, so that its flat cumsum gives every (expert,
+    block) its first place in the sorted order."""
+    _, hot = _one_hot(index_ptr, n_pairs, BLOCK, E_PAD)
+    e = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + e * n_blocks + tl.program_id(0), tl.reduce(hot, 0, _add), mask=e < n_experts)
+
+
+@triton.jit
+def _place_pairs_kernel(
+    index_ptr, counts_ptr, ends_ptr, order_ptr, offsets_ptr, n_pairs, n_experts, n_blocks,
+    BLOCK: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
+    """Writes each pair id of block b at its place: the first place of (its expert, b), plus the pairs of that
+    expert before it in the block. Block 0 also writes the offsets (the first place of each expert)."""
+    b = tl.program_id(0)
+    offs, hot = _one_hot(index_ptr, n_pairs, BLOCK, E_PAD)
+    e = tl.arange(0, E_PAD)
+    # ends = inclusive cumsum of counts: the first place of (e, b) is ends[e, b] - counts[e, b].
+    first = tl.load(ends_ptr + e * n_blocks + b, mask=e < n_experts, other=0)
+    first -= tl.load(counts_ptr + e * n_blocks + b, mask=e < n_experts, other=0)
+    before = tl.associative_scan(hot, 0, _add) - hot  # pairs of the same expert earlier in the block
+    place = tl.reduce(hot * (first[None, :] + before), 1, _add)
+    tl.store(order_ptr + place, offs.to(tl.int32), mask=offs < n_pairs)
+    if b == 0:
+        tl.store(offsets_ptr + e, tl.where(e < n_experts, first, n_pairs), mask=e <= n_experts)
+
+
+def _counting_sort(flat: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    n_pairs = flat.numel()
+    block = _counting_block(n_experts)
+    n_blocks = triton.cdiv(n_pairs, block)
+    e_pad = triton.next_power_of_2(n_experts + 1)  # a spare bin for the masked-off pairs past the end
+    counts = torch.empty(n_experts * n_blocks, dtype=torch.int32, device=flat.device)
+    order = torch.empty(n_pairs, dtype=torch.int32, device=flat.device)
+    offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=flat.device)
+    _count_pairs_kernel[(n_blocks,)](flat, counts, n_pairs, n_experts, n_blocks, BLOCK=block, E_PAD=e_pad, **_BUILD)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    _place_pairs_kernel[(n_blocks,)](
+        flat, counts, ends, order, offsets, n_pairs, n_experts, n_blocks, BLOCK=block, E_PAD=e_pad, **_BUILD
+    )
+    return order, offsets
 
 
 # ----------------------------------------------------------------------------------------------------------
