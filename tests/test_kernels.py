@@ -155,6 +155,17 @@ def test_op_matches_naive_loop(shape, name, backend):
     assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_unpadded_forward_matches_naive_loop(dtype, backend):
+    """Input rows at least UNPADDED_FORWARD_MIN_WIDTH wide go through the forward unpadded (the backward pads)."""
+    backend("triton")
+    from switchhead.kernels import triton_kernels
+
+    shape = Shape(11, 1, 4, 2, 5, triton_kernels.load().UNPADDED_FORWARD_MIN_WIDTH + 3, 9)
+    exact, cast = make(shape, dtype)
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("regime", REGIMES)
 def test_torch_regimes_match_naive_loop(shape, regime):
@@ -468,15 +479,22 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
     # Few pairs per chunk: the O projection's weight gradient is split (SPLITS > 1), the decode step's is not
     # (SPLITS = 1, which Triton folds into the build): both builds are checked.
     monkeypatch.setattr(triton_kernels.load(), "WEIGHT_GRAD_MIN_PAIRS", 2)
-    _, many = make(Shape(40, 2, 6, 1, 10, 76, 20), dtype)  # an O projection over 40 tokens
+    # The 47M model's O projection over 40 tokens: widths 76 and 412, each more than one K step (a width within
+    # one K step leaves no loop to pipeline).
+    _, many = make(Shape(40, 2, 6, 1, 10, 76, 412), dtype)
     _, decode = make(Shape(2, 1, 6, 2, 10, 20, 76), dtype)  # a V projection at decode (the gather kernel)
+    _, wide = make(Shape(40, 1, 6, 2, 10, 412, 76), dtype)  # a V projection: its forward's rows are not padded
     launches = gpu_build.launches(*many[:4], 1) + gpu_build.launches(*decode[:4], 2)
+    launches += gpu_build.launches(*wide[:4], 2)
     sort = ["_count_pairs_kernel", "_place_pairs_kernel"]
     expected = [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
     expected += ["_gather_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]  # fwd, grad_x, grad_w
+    expected += [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
     assert [launch.kernel for launch in launches] == expected
     splits = triton_kernels.load()._weight_grad_kernel.fn.arg_names.index("SPLITS")
     assert launches[6].args[splits] > 1 and launches[11].args[splits] == 1
+    k_dim = triton_kernels.load()._grouped_matmul_kernel.fn.arg_names.index("K_DIM")
+    assert [launches[i].args[k_dim] for i in (2, 5, 14, 17)] == [80, 416, 412, 80]  # padded to 16 but the wide fwd
     for launch in launches:
         configs = gpu_build.configs(launch)
         for config in configs if every_config else configs[:1]:

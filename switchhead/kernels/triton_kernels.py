@@ -21,8 +21,9 @@ Three kernels, each followed by its launcher:
 
 Autotuning keys use the pair count rounded up to a power of two (`_bucket`), so a new sequence length does
 not trigger a new tuning run; each precision has its own tiles (tensor cores, or FMA units for fp32 without
-TF32). Rows are zero-padded to a multiple of 16 elements (`ALIGN`) so that every build gets aligned, pipelined
-tile loads. `gpu_build` builds the kernels for a GPU without one to check both. Under TRITON_INTERPRET=1 (CPU
+TF32). Widths and row strides are compile-time constants, so that every build gets aligned, pipelined tile
+loads; rows are zero-padded to a multiple of 16 elements (`ALIGN`) where measurements showed it pays.
+`gpu_build` builds the kernels for a GPU without one to check both. Under TRITON_INTERPRET=1 (CPU
 tests) a single small config is used.
 
 TRITON_INTERPRET is read by ``triton.jit`` when this module is imported; `load` re-imports the module when
@@ -47,12 +48,18 @@ from switchhead.kernels.ops import KernelBackendError
 
 _INTERPRETED: bool = knobs.runtime.interpret
 
-# The tiled kernels see rows (and the expert matrices' rows) zero-padded to a multiple of this many elements.
-# Triton specialises integer arguments divisible by 16, and only then can it prove a tile's rows aligned: for the
-# 47M shapes (d_model 412, d_head 76) the sm_90 build otherwise fell back to scalar loads without async copies,
-# 255 registers and spills (`python benchmarks/kernel_resources.py`). The padded zeros add nothing to any result.
-# The gather kernel (decode) is not padded: copying every expert would cost more than the few it reads.
+# The tiled kernels see rows (and the expert matrices' rows) zero-padded to a multiple of this many elements (1:
+# not padded). The padded zeros add nothing to any result. Widths and row strides are compile-time constants of
+# every kernel, so Triton knows how rows are aligned whatever the width: unpadded, the 47M model's 412 and 76 get
+# 8-byte async copies at 16-bit precisions (as plain arguments, which Triton specialises only when divisible by
+# 16, they gave scalar loads without async copies, 255 registers and spills). On an H100 (docs/BENCHMARKS.md)
+# 8-byte copies cost less than padding only where the padded tensor is large and the kernel reads it once: the
+# forward's input rows when they are wide. Unpadded, the 47M V and sigma-MoE up forwards (412-wide rows) took
+# 0.79x and 0.58x the GPU time; the 47M O forward (76-wide rows) 1.06x, the weight gradients up to 1.7x.
 ALIGN = 16
+# The forward leaves rows unpadded when its input rows are at least this wide (412: faster unpadded, 76: slower;
+# 128-wide rows, aligned already, were no different).
+UNPADDED_FORWARD_MIN_WIDTH = 256
 
 # Build options fixed rather than left to Triton's defaults: FMA contraction of a*b+c, on until Triton 3.9 and
 # announced to turn off in 3.10 (3.9 warns when it is unset), stays on so results do not change with the version.
@@ -105,11 +112,12 @@ def _dot_fp32(dtype: torch.dtype) -> bool:
 # `python benchmarks/kernel_resources.py` (docs/BENCHMARKS.md) and kept only if it needs no register spills.
 # fp32 without TF32 (PRECISION "ieee") runs tl.dot on the FMA units, where each thread holds whole rows and
 # columns of its operands: the tensor-core tiles spilled there (`--every-tile`, triton 3.9: 44 of 162 builds, up to
-# 11 KB of stack per thread for the weight gradient), so that precision gets smaller tiles of its own. Its
-# (64, 32, 64) tile has 8 warps: with 4, Triton 3.8's grad_x build spilled (the other versions' did not).
+# 11 KB of stack per thread for the weight gradient), so that precision gets smaller tiles of its own. Tiles that
+# spilled in one Triton version gave way to 8-warp ones: (64, 32, 64) in grad_x (3.8 with 4 warps, 3.6 with 8 on
+# unpadded 76-wide rows), the 4-warp weight-gradient tiles (3.6: 8-304 bytes).
 _MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     "mma": [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)],
-    "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 4, 4), (64, 32, 64, 8, 4), (32, 32, 32, 4, 4)],
+    "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 4, 4), (32, 32, 64, 8, 4), (32, 32, 32, 4, 4)],
 }
 _WEIGHT_GRAD_TILES = {  # BLOCK_P, BLOCK_K, BLOCK_N, warps, stages
     "mma": [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)],
@@ -312,8 +320,9 @@ def _tile_owner(tile, offsets_ptr, n_experts, BLOCK_M: tl.constexpr, E_PAD: tl.c
 @triton.jit
 def _grouped_matmul_kernel(
     a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr, gate_ptr, partner_ptr, gate_grad_ptr,
-    n_experts, n_pairs, K_DIM, N_DIM, M_BUCKET, A_PER, C_PER, STORE_PER,
-    stride_a, stride_we, stride_wk, stride_wn, stride_c, stride_partner,
+    n_experts, n_pairs, K_DIM: tl.constexpr, N_DIM: tl.constexpr, M_BUCKET, A_PER, C_PER, STORE_PER,
+    stride_a: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
+    stride_c: tl.constexpr, stride_partner: tl.constexpr,
     HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -432,9 +441,9 @@ def _grouped_matmul(
 @triton.jit
 def _weight_grad_kernel(
     x_ptr, g_ptr, gate_ptr, order_ptr, offsets_ptr, dw_ptr,
-    n_experts, D_IN, D_OUT, M_BUCKET, SPLITS, X_PER, G_PER,
-    stride_x, stride_g, stride_we, stride_wk, stride_wn,
-    HAS_GATE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    n_experts, D_IN: tl.constexpr, D_OUT: tl.constexpr, M_BUCKET, SPLITS, X_PER, G_PER,
+    stride_x: tl.constexpr, stride_g: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr,
+    stride_wn: tl.constexpr, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     expert = tl.program_id(2) // SPLITS
@@ -603,8 +612,8 @@ def _rows(t: Tensor, width: int | None = None) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _aligned(d: int) -> int:
-    return -(-d // ALIGN) * ALIGN
+def _aligned(d: int, align: int = 1) -> int:
+    return -(-d // align) * align
 
 
 def _padded_weight(weight: Tensor, d_in: int, d_out: int) -> Tensor:
@@ -624,7 +633,8 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
         out = _gather(_rows(x), slots // n_in, weight, flat_index, flat_gate, n * n_out, slots // n_out)
         return out.view(n, n_out, d_out)
     order, offsets = _sort_pairs(index, n_experts)
-    d_in_p, d_out_p = _aligned(weight.shape[1]), _aligned(d_out)
+    align = 1 if x.shape[2] >= UNPADDED_FORWARD_MIN_WIDTH else ALIGN
+    d_in_p, d_out_p = _aligned(weight.shape[1], align), _aligned(d_out, align)
     x2, w = _rows(x, d_in_p), _padded_weight(weight, d_in_p, d_out_p)
     out, _ = _grouped_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate)
     return out[:, :d_out].to(x.dtype).reshape(n, n_out, d_out).contiguous()
@@ -637,7 +647,7 @@ def backward(
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
     n_out, slots = grad.shape[1], index.shape[1]
-    d_in_p, d_out_p = _aligned(d_in), _aligned(d_out)
+    d_in_p, d_out_p = _aligned(d_in, ALIGN), _aligned(d_out, ALIGN)
     x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
     weight = _padded_weight(weight, d_in_p, d_out_p)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
