@@ -308,6 +308,20 @@ def test_sort_pairs_groups_pairs_by_expert_stably(n_experts, n_tokens, backend):
     assert offsets.tolist() == [0] + torch.bincount(flat, minlength=n_experts).cumsum(0).tolist()
 
 
+def test_counting_sort_leaves_out_expert_ids_outside_the_range(backend):
+    """CUDA indices are not checked (a host sync per call): an id outside [0, E) must not displace other pairs."""
+    backend("triton")
+    from switchhead.kernels import triton_kernels
+
+    index = torch.randint(0, 5, (300, 4), generator=torch.Generator().manual_seed(1))
+    index[3, 1], index[100, 0], index[299, 3] = -1, 5, 7  # 7 < E_PAD = 8: inside the one-hot's padded lanes
+    order, offsets = triton_kernels.load()._sort_pairs(index.to(DEVICE), 5)
+    flat = index.reshape(-1)
+    valid = ((flat >= 0) & (flat < 5)).nonzero().squeeze(1)
+    assert offsets.tolist() == [0] + torch.bincount(flat[valid], minlength=5).cumsum(0).tolist()
+    assert order[: offsets[-1]].tolist() == valid[torch.argsort(flat[valid], stable=True)].tolist()
+
+
 def test_autotune_key_buckets_token_counts(backend):
     backend("triton")
     from switchhead.kernels import triton_kernels

@@ -1,6 +1,7 @@
 """Triton kernels for the expert projection (the default for CUDA tensors; see `ops` for the semantics).
 
-Three kernels, each followed by its launcher:
+Three kernels, each followed by its launcher, after the sort of the pairs by expert that the first two need (a
+counting sort: `_count_pairs_kernel`, a cumsum, `_place_pairs_kernel`):
 
 1. `_grouped_matmul_kernel` (forward, and gradient w.r.t. the input): the (token, slot) pairs are sorted by
    expert and every expert's pairs are cut into BLOCK_M tiles, so each program runs one dense tile GEMM
@@ -231,11 +232,13 @@ def _counting_block(n_experts: int) -> int:
 
 
 @triton.jit
-def _one_hot(index_ptr, n_pairs, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
-    """Pair ids of this program's block and their [BLOCK, E_PAD] one-hot expert rows (all zero past the end)."""
+def _one_hot(index_ptr, n_pairs, n_experts, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
+    """Pair ids of this program's block and their [BLOCK, E_PAD] one-hot expert rows: all zero past the end and
+    for an expert id outside [0, E) (CUDA indices are not checked; such pairs are left out, not misplaced)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    expert = tl.load(index_ptr + offs, mask=offs < n_pairs, other=E_PAD).to(tl.int32)
-    hot = (expert[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+    expert = tl.load(index_ptr + offs, mask=offs < n_pairs, other=-1).to(tl.int32)
+    e = tl.arange(0, E_PAD)
+    hot = ((expert[:, None] == e[None, :]) & (e[None, :] < n_experts)).to(tl.int32)
     return offs, hot
 
 
@@ -243,7 +246,7 @@ def _one_hot(index_ptr, n_pairs, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
 def _count_pairs_kernel(index_ptr, counts_ptr, n_pairs, n_experts, n_blocks, BLOCK: tl.constexpr, E_PAD: tl.constexpr):
     """counts[e, b] = pairs of block b on expert e: expert-major, so that its flat cumsum gives every (expert,
     block) its first place in the sorted order."""
-    _, hot = _one_hot(index_ptr, n_pairs, BLOCK, E_PAD)
+    _, hot = _one_hot(index_ptr, n_pairs, n_experts, BLOCK, E_PAD)
     e = tl.arange(0, E_PAD)
     tl.store(counts_ptr + e * n_blocks + tl.program_id(0), tl.reduce(hot, 0, _add), mask=e < n_experts)
 
@@ -256,23 +259,24 @@ def _place_pairs_kernel(
     """Writes each pair id of block b at its place: the first place of (its expert, b), plus the pairs of that
     expert before it in the block. Block 0 also writes the offsets (the first place of each expert)."""
     b = tl.program_id(0)
-    offs, hot = _one_hot(index_ptr, n_pairs, BLOCK, E_PAD)
+    offs, hot = _one_hot(index_ptr, n_pairs, n_experts, BLOCK, E_PAD)
     e = tl.arange(0, E_PAD)
     # ends = inclusive cumsum of counts: the first place of (e, b) is ends[e, b] - counts[e, b].
     first = tl.load(ends_ptr + e * n_blocks + b, mask=e < n_experts, other=0)
     first -= tl.load(counts_ptr + e * n_blocks + b, mask=e < n_experts, other=0)
     before = tl.associative_scan(hot, 0, _add) - hot  # pairs of the same expert earlier in the block
     place = tl.reduce(hot * (first[None, :] + before), 1, _add)
-    tl.store(order_ptr + place, offs.to(tl.int32), mask=offs < n_pairs)
-    if b == 0:
-        tl.store(offsets_ptr + e, tl.where(e < n_experts, first, n_pairs), mask=e <= n_experts)
+    tl.store(order_ptr + place, offs.to(tl.int32), mask=tl.reduce(hot, 1, _add) > 0)
+    if b == 0:  # offsets[E] = every pair counted (n_pairs, unless some expert id was out of range)
+        total = tl.load(ends_ptr + n_experts * n_blocks - 1)
+        tl.store(offsets_ptr + e, tl.where(e < n_experts, first, total), mask=e <= n_experts)
 
 
 def _counting_sort(flat: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     n_pairs = flat.numel()
     block = _counting_block(n_experts)
     n_blocks = triton.cdiv(n_pairs, block)
-    e_pad = triton.next_power_of_2(n_experts + 1)  # a spare bin for the masked-off pairs past the end
+    e_pad = triton.next_power_of_2(n_experts + 1)  # E and one more, so that offsets[E] has a lane
     counts = torch.empty(n_experts * n_blocks, dtype=torch.int32, device=flat.device)
     order = torch.empty(n_pairs, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=flat.device)
@@ -612,7 +616,7 @@ def _rows(t: Tensor, width: int | None = None) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _aligned(d: int, align: int = 1) -> int:
+def _aligned(d: int, align: int) -> int:
     return -(-d // align) * align
 
 
