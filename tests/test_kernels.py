@@ -498,12 +498,13 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
     _, many = make(Shape(40, 2, 6, 1, 10, 76, 412), dtype)
     _, decode = make(Shape(2, 1, 6, 2, 10, 20, 76), dtype)  # a V projection at decode (the gather kernel)
     _, wide = make(Shape(40, 1, 6, 2, 10, 412, 76), dtype)  # a V projection: its forward's rows are not padded
+    _, up = make(Shape(40, 1, 4, 4, 16, 412, 128, gated=False), dtype)  # a sigma-MoE up-projection: no gate
     launches = gpu_build.launches(*many[:4], 1) + gpu_build.launches(*decode[:4], 2)
-    launches += gpu_build.launches(*wide[:4], 2)
+    launches += gpu_build.launches(*wide[:4], 2) + gpu_build.launches(*up[:4], 4)
     sort = ["_count_pairs_kernel", "_place_pairs_kernel"]
     expected = [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
     expected += ["_gather_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]  # fwd, grad_x, grad_w
-    expected += [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
+    expected += [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"] * 2
     assert [launch.kernel for launch in launches] == expected
     splits = triton_kernels.load()._weight_grad_kernel.fn.arg_names.index("SPLITS")
     assert launches[6].args[splits] > 1 and launches[11].args[splits] == 1

@@ -52,11 +52,12 @@ _INTERPRETED: bool = knobs.runtime.interpret
 # The tiled kernels see rows (and the expert matrices' rows) zero-padded to a multiple of this many elements (1:
 # not padded). The padded zeros add nothing to any result. Widths and row strides are compile-time constants of
 # every kernel, so Triton knows how rows are aligned whatever the width: unpadded, the 47M model's 412 and 76 get
-# 8-byte async copies at 16-bit precisions (as plain arguments, which Triton specialises only when divisible by
-# 16, they gave scalar loads without async copies, 255 registers and spills). On an H100 (docs/BENCHMARKS.md)
-# 8-byte copies cost less than padding only where the padded tensor is large and the kernel reads it once: the
-# forward's input rows when they are wide. Unpadded, the 47M V and sigma-MoE up forwards (412-wide rows) took
-# 0.79x and 0.58x the GPU time; the 47M O forward (76-wide rows) 1.06x, the weight gradients up to 1.7x.
+# async copies at 16-bit precisions, of 8 bytes at most (as plain arguments, which Triton specialises only when
+# divisible by 16, they gave scalar loads without async copies, 255 registers and spills). On an H100
+# (docs/BENCHMARKS.md) the narrower copies cost less than padding only where the padded tensor is large and the
+# kernel reads it once: the forward's input rows when they are wide. Unpadded, the 47M V and sigma-MoE up
+# forwards (412-wide rows) took 0.79x and 0.58x the GPU time; the 47M O forward (76-wide rows) 1.06x, the weight
+# gradients up to 1.7x.
 ALIGN = 16
 # The forward leaves rows unpadded when its input rows are at least this wide (412: faster unpadded, 76: slower;
 # 128-wide rows, aligned already, were no different).
@@ -68,7 +69,7 @@ _BUILD = {"enable_fp_fusion": True}
 
 # Up to this many tokens the gather kernel runs the forward (no sorting, no tiles). A guess from the tile
 # geometry (a 64-row tile of sorted pairs is < 10% full below it), not a timing: the cut-over has not been
-# compared with the tiled path on a GPU (a whole N = 1 forward took 4-17 us of GPU time on an H100).
+# compared with the tiled path on a GPU (a whole N = 1 forward takes 3.3-8.6 us of GPU time on an H100).
 GATHER_MAX_TOKENS = 8
 
 # The weight gradient has one program per (expert, D_in tile, D_out tile). When that is few programs for the GPU
@@ -115,10 +116,11 @@ def _dot_fp32(dtype: torch.dtype) -> bool:
 # columns of its operands: the tensor-core tiles spilled there (`--every-tile`, triton 3.9: 44 of 162 builds, up to
 # 11 KB of stack per thread for the weight gradient), so that precision gets smaller tiles of its own. Tiles that
 # spilled in one Triton version gave way to 8-warp ones: (64, 32, 64) in grad_x (3.8 with 4 warps, 3.6 with 8 on
-# unpadded 76-wide rows), the 4-warp weight-gradient tiles (3.6: 8-304 bytes).
+# unpadded 76-wide rows), (32, 64, 32) (3.9: 16 bytes in the sigma-MoE up grad_x with 4 warps), the 4-warp
+# weight-gradient tiles (3.6: 8-304 bytes).
 _MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     "mma": [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)],
-    "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 4, 4), (32, 32, 64, 8, 4), (32, 32, 32, 4, 4)],
+    "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 8, 4), (32, 32, 64, 8, 4), (32, 32, 32, 4, 4)],
 }
 _WEIGHT_GRAD_TILES = {  # BLOCK_P, BLOCK_K, BLOCK_N, warps, stages
     "mma": [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)],
