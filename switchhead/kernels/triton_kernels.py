@@ -198,7 +198,7 @@ def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     if n_experts <= COUNTING_SORT_MAX_EXPERTS:
         return _counting_sort(flat, n_experts)
     # The narrowest key that holds every expert id and E itself: CUDA's radix sort makes one pass per key byte
-    # (one instead of eight for int64). (torch.bincount would count the pairs per expert in one op, but on CUDA it
+    # (two instead of eight for int64). (torch.bincount would count the pairs per expert in one op, but on CUDA it
     # reads the largest index on the host first: a sync per call.)
     key_dtype = torch.int16 if n_experts < 2**15 else flat.dtype
     keys, order = torch.sort(flat.to(key_dtype), stable=True)
