@@ -109,10 +109,10 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
             return chr(value) if value < 0x80 else f"bytes:\\x{value:02x}"
         return piece.replace("\u2581", " ")
 
-    def within_text(infos: list[TokenInfo], text_len: int, reason: str) -> list[TokenInfo]:
+    def within_text(infos: list[TokenInfo], end: Finished) -> list[TokenInfo]:
         # A stop string ends the text before it: the tokens that spell it start at or past the text's end, and
         # are not part of the completion (its text_offset would point past its text).
-        return [t for t in infos if t.offset < text_len] if reason == "stop" else infos
+        return [t for t in infos if t.offset < len(end.text)] if end.reason == "stop" else infos
 
     def logprobs_block(infos: list[TokenInfo]) -> dict:
         return {"tokens": [token_text(t.token) for t in infos],
@@ -251,7 +251,7 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
                         c.infos.append(event.info)
                 elif isinstance(event, Finished):
                     c.finish, left = event, left - 1
-                    c.infos = within_text(c.infos, len(c.text), event.reason)
+                    c.infos = within_text(c.infos, event)
                     if not left:
                         return None
                 elif isinstance(event, Failed):
@@ -275,12 +275,11 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
                     if event.text:
                         # Tokens whose text is still held back (partial characters or a possible stop string)
                         # ride along with the first chunk that carries text.
-                        c.text += event.text
                         yield chunk(c.index, event.text, c.infos, None)
                         c.infos = []
                 elif isinstance(event, Finished):
                     c.finish, left = event, left - 1
-                    infos = within_text(c.infos, len(c.text), event.reason)
+                    infos = within_text(c.infos, event)
                     yield chunk(c.index, "", infos, P.FINISH_REASONS[event.reason])
                     c.infos = []
                     if not left:
