@@ -306,9 +306,10 @@ def test_diverging_run_stops_without_saving_nan_weights(corpus, tmp_path):
     _assert_user_error(_run("--out", out, "--resume", "--steps", 6, "--no-progress"),
                        f"cannot resume: the run in {out} stopped before its first checkpoint; run again without")
     (out / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "loss": 2.0}\n')
-    r = _tiny(out, corpus, tmp_path, "--steps", 2, "--log-every", 1)
+    r = _tiny(out, corpus, tmp_path, "--steps", 2, "--log-every", 1, "--vocab-size", 300)  # a new tokenizer too
     assert r.exit_code == 0, r.output
     assert (out / "final" / "model.safetensors").exists()
+    assert (out / "tokenizer.model").read_bytes() == (out / "final" / "tokenizer.model").read_bytes()
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     # A NaN validation loss stops the run too, before it is logged.
     out = tmp_path / "run3"

@@ -387,10 +387,11 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
 
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if not tok_path.is_file():
+        if old_spec is None:  # a new run, or one started over where the last stopped before its first checkpoint
             save_tokenizer(sp, tok_path)
-        if old_spec is None:
             write_run_spec(out, spec)
+        elif not tok_path.is_file():
+            save_tokenizer(sp, tok_path)
     _barrier()
 
     # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's); dropout then
