@@ -25,9 +25,9 @@ from switchhead.errors import SwitchheadError, is_finite_number, is_int
 SEED_LIMIT = 1 << 64  # seeds are in [0, SEED_LIMIT): torch.Generator.manual_seed overflows beyond
 
 
-def check_seed(seed) -> None:
+def check_seed(seed, name: str = "seed") -> None:
     if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
-        raise SwitchheadError(f"seed must be an integer in [0, 2**64 - 1], got {seed!r}")
+        raise SwitchheadError(f"{name} must be an integer in [0, 2**64 - 1], got {seed!r}")
 
 
 def seed_or_random(seed: int | None) -> int:

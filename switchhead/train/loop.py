@@ -29,7 +29,7 @@ from switchhead.model.checkpoint import save
 from switchhead.model.config import ModelConfig, resolve_config
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
-from switchhead.runtime.sampling import SEED_LIMIT, seed_plus
+from switchhead.runtime.sampling import check_seed, seed_plus
 from switchhead.train.data import (
     LaneBatcher,
     TokenStream,
@@ -302,8 +302,7 @@ def _validate(opts: TrainOptions) -> None:
         raise SwitchheadError(f"--lr must be at most {_MAX_LR:.1e} (AdamW's step overflows float32), got {opts.lr}")
     if not is_int(opts.warmup) or opts.warmup < 0:
         raise SwitchheadError(f"--warmup must be an integer >= 0, got {opts.warmup!r}")
-    if not is_int(opts.seed) or not 0 <= opts.seed < SEED_LIMIT:
-        raise SwitchheadError(f"--seed must be an integer in [0, 2**64 - 1], got {opts.seed!r}")
+    check_seed(opts.seed, "--seed")
     if opts.grad_clip is not None and (not is_finite_number(opts.grad_clip) or opts.grad_clip < 0):
         raise SwitchheadError(
             f"--grad-clip must be a finite number >= 0 (0 disables clipping), got {opts.grad_clip}"
