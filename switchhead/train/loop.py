@@ -655,9 +655,6 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
 
     final = None
     if not interrupted:
-        # Every checkpoint() checks this, but a resumed run already at its last step saves what it loaded.
-        if not math.isfinite(_param_checksum(model)):
-            raise diverged(step, "the weights are not finite")
         if is_main:
             final = save(out / FINAL_DIR, model, sp)
         _barrier()
