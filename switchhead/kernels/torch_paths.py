@@ -25,13 +25,13 @@ The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-c
 
 from __future__ import annotations
 
-import functools
 import math
-from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from switchhead.devices import native_bf16
 
 Regime = Literal["gather", "dense", "grouped", "combo"]
 Grads = tuple[Tensor, Tensor, Tensor]
@@ -77,16 +77,6 @@ GROUPED_BLOCK_ELEMENTS = 256 * 1024
 # that the blocked regimes spend beyond dense's GEMM rate (forward only; at or above waste - 1, dense always wins).
 BF16_FORWARD_EXTRA = {"expand": 0.4, "contract": 1.0}  # by _dense_expands_inputs: V-like / O-like
 BF16_OVERHEAD_MACS_PER_EXPERT = {"forward": 14e6, "backward": 12e6}
-
-
-@functools.cache
-def native_bf16() -> bool:
-    """Does this CPU multiply bf16 natively? Elsewhere bf16 GEMMs are converted to fp32 and the fp32 rules apply."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux: no cheap way to tell, keep the fp32 rules
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def choose_regime(
