@@ -16,15 +16,19 @@ MAX_THREADS = 1024
 
 
 @functools.cache
-def native_bf16() -> bool:
-    """Does this CPU multiply bf16 natively (AVX512-BF16 or AMX)? Without, PyTorch's CPU bf16 matrix products
-    take a slow generic route (a switchhead-small training step under bf16 autocast: 26x float32's time on an
-    AVX2 machine)."""
+def _cpu_flags() -> frozenset[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:  # not Linux: no cheap way to tell
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+
+
+def native_half(dtype: torch.dtype) -> bool:
+    """Does this CPU multiply `dtype` (bfloat16 or float16) natively: AVX512-BF16 / AMX-BF16, AVX512-FP16 /
+    AMX-FP16? Without, PyTorch's CPU half-precision matrix products take a slow generic route (a switchhead-small
+    training step under bf16 autocast took 26x float32's time on an AVX2 machine: docs/BENCHMARKS.md)."""
+    wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}[dtype]
+    return any(flag in _cpu_flags() for flag in wanted)
 
 
 def set_threads(threads: int | None) -> None:

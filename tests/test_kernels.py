@@ -206,6 +206,19 @@ def test_torch_regimes_half(shape, regime, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES, ids=str)
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("widen", [True, False])
+def test_torch_paths_half_widened_or_not(shape, regime, dtype, widen):
+    """Half inputs run in float32 on CPUs without half instructions (`widen` None); both ways give half results."""
+    exact, (x, w, index, gate, grad) = make(shape, dtype)
+    out = torch_paths.forward(x, w, index, gate, shape.n_out, regime, widen)
+    got = [out, *torch_paths.backward(grad, x, w, index, gate, True, regime, widen)]
+    assert [t.dtype for t in got] == [dtype, dtype, dtype, gate.dtype if gate is not None else dtype]
+    assert_matches(got if gate is not None else got[:3], naive_all(shape, exact), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", HALF_SHAPES + [Shape(300, 1, 6, 2, 10, 24, 16)], ids=str)
 def test_torch_op_half(shape, dtype, backend):
     """The op picks its regime by dtype too (bf16 keeps dense longer on CPUs with bf16 instructions)."""

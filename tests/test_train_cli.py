@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import switchhead
 from switchhead.cli import main
-from switchhead.devices import native_bf16
+from switchhead.devices import native_half
 
 WORDS = "the cat sat on a mat and 42 dogs ran over 1999 hills while birds sang"
 
@@ -70,7 +70,7 @@ def test_train_runs_and_prints_summary(corpus, tmp_path):
 def test_bf16_on_a_cpu_without_bf16_instructions_is_called_slow(corpus, tmp_path):
     r = _tiny(tmp_path / "run", corpus, tmp_path, "--dtype", "bfloat16", "--device", "cpu")
     assert r.exit_code == 0, r.output
-    assert ("no bf16 instructions" in r.stderr) == (not native_bf16()), r.stderr
+    assert ("no bf16 instructions" in r.stderr) == (not native_half(torch.bfloat16)), r.stderr
 
 
 def test_missing_and_empty_data(tmp_path):

@@ -31,7 +31,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from switchhead.devices import native_bf16
+from switchhead.devices import native_half
 
 Regime = Literal["gather", "dense", "grouped", "combo"]
 Grads = tuple[Tensor, Tensor, Tensor]
@@ -95,7 +95,7 @@ def choose_regime(
     waste = n_experts * min(n_in, n_out) / slots
     useful_macs = n * slots * d_in * d_out
     blocked = "combo" if _combo_pays(n, n_in, slots, n_out, n_experts) else "grouped"
-    if dtype == torch.bfloat16 and native_bf16():
+    if dtype == torch.bfloat16 and native_half(torch.bfloat16):
         # dense is weighed first here: O-like forwards stay dense even where combo would pay
         extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if _dense_expands_inputs(n_in, n_out) else "contract"]
         overhead = BF16_OVERHEAD_MACS_PER_EXPERT["backward" if backward else "forward"]
@@ -149,7 +149,8 @@ def gather_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None
     n, slots = index.shape
     in_per = slots // x.shape[1]
     experts = index.tolist()  # a handful of pairs: one vector-matrix product each, no weight copies
-    y = torch.stack([x[t, s // in_per] @ weight[experts[t][s]] for t in range(n) for s in range(slots)])
+    # (weight may be narrower than x: see `_wide_weight`)
+    y = torch.stack([x[t, s // in_per] @ weight[experts[t][s]].to(x.dtype) for t in range(n) for s in range(slots)])
     return _reduce_slots(_gated(y.view(n, slots, -1).to(_acc_dtype(x)), gate), n_out).to(x.dtype)
 
 
@@ -159,7 +160,7 @@ def gather_backward(
     n, slots = index.shape
     acc = _acc_dtype(x)
     flat = index.reshape(-1)
-    w = weight.index_select(0, flat)  # [P, D_in, D_out]
+    w = weight.index_select(0, flat).to(x.dtype)  # [P, D_in, D_out]
     xs = _per_slot(x, slots).reshape(n * slots, -1)
     gs = _per_slot(grad, slots).reshape(n * slots, 1, -1).to(x.dtype)
     u = torch.bmm(gs, w.transpose(1, 2)).view(n * slots, -1).to(acc)  # un-gated; <x, u> is the gate gradient
@@ -413,11 +414,35 @@ FORWARD = {"gather": gather_forward, "dense": dense_forward, "grouped": grouped_
 BACKWARD = {"gather": gather_backward, "dense": dense_backward, "grouped": grouped_backward, "combo": combo_backward}
 
 
+def _widened(x: Tensor, widen: bool | None) -> bool:
+    """Compute in float32? For half inputs on a CPU without instructions for their dtype (`widen` None), where
+    PyTorch multiplies half matrices by a slow generic route: the op in bf16 took ~10x its float32 time on an AVX2
+    CPU (docs/BENCHMARKS.md, "bf16"). bf16 and fp16 products are exact in float32, so nothing is lost."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return widen if widen is not None else x.device.type == "cpu" and not native_half(x.dtype)
+
+
+def _wide_weight(weight: Tensor, regime: Regime) -> Tensor:
+    # gather converts just the few experts it reads; the other regimes read every expert, so convert once
+    return weight if regime == "gather" else weight.float()
+
+
 def forward(
-    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, regime: Regime | None = None
+    x: Tensor,
+    weight: Tensor,
+    index: Tensor,
+    gate: Tensor | None,
+    n_out: int,
+    regime: Regime | None = None,
+    widen: bool | None = None,
 ) -> Tensor:
-    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, dtype=x.dtype)
-    return FORWARD[regime](x, weight, index, gate, n_out)
+    wide = _widened(x, widen)
+    dtype = torch.float32 if wide else x.dtype
+    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, dtype=dtype)
+    if not wide:
+        return FORWARD[regime](x, weight, index, gate, n_out)
+    return FORWARD[regime](x.float(), _wide_weight(weight, regime), index, gate, n_out).to(x.dtype)
 
 
 def backward(
@@ -428,8 +453,14 @@ def backward(
     gate: Tensor | None,
     need_gate_grad: bool,
     regime: Regime | None = None,
+    widen: bool | None = None,
 ) -> Grads:
+    wide = _widened(x, widen)
+    dtype = torch.float32 if wide else x.dtype
     regime = regime or choose_regime(
-        x.shape[0], x.shape[1], index.shape[1], grad.shape[1], *weight.shape, True, dtype=x.dtype
+        x.shape[0], x.shape[1], index.shape[1], grad.shape[1], *weight.shape, True, dtype=dtype
     )
-    return BACKWARD[regime](grad, x, weight, index, gate, need_gate_grad)
+    if not wide:
+        return BACKWARD[regime](grad, x, weight, index, gate, need_gate_grad)
+    gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), _wide_weight(weight, regime), index, gate, need_gate_grad)
+    return gx.to(x.dtype), gw.to(weight.dtype), gg if gate is not None else gg.to(x.dtype)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from switchhead.devices import memory as device_memory
-from switchhead.devices import native_bf16, out_of_memory, resolve_device
+from switchhead.devices import native_half, out_of_memory, resolve_device
 from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number, is_int
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
@@ -441,7 +441,7 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
                 f"note: resuming with {world} processes instead of {state.get('world_size')}; dropout "
                 "masks will differ from the uninterrupted run"
             )
-    if is_main and device.type == "cpu" and amp_dtype == torch.bfloat16 and not native_bf16():
+    if is_main and device.type == "cpu" and amp_dtype == torch.bfloat16 and not native_half(torch.bfloat16):
         tqdm.write("note: this CPU has no bf16 instructions (avx512_bf16, amx_bf16), so PyTorch multiplies bf16 "
                    "matrices slowly here: --dtype float32 trains much faster on it", file=sys.stderr)
     if is_main and old_spec is not None:
