@@ -681,3 +681,23 @@ def test_text_rows_are_told_apart_when_file_names_clash():
     table = format_table({"text": [{"file": f, **row} for f in ("a/x.txt", "b/x.txt", "c/y.txt")]})
     labels = {line.split()[1] for line in table.splitlines()[1:]}
     assert labels == {"a/x.txt", "b/x.txt", "y.txt"}, table
+
+
+def test_a_context_starts_a_document_whatever_its_leading_space(sp):
+    """With verbatim whitespace, a context's leading space is the dummy prefix at a document start, as for an empty
+    context's continuation and a rolling document: splitting a text anywhere keeps the chain rule."""
+    from switchhead.evals import SwitchheadLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size())).eval()
+    lm = SwitchheadLM(model=model, tokenizer=sp, batch_size=4, progress=False)
+    assert len(sp.encode(" the fox")) > len(sp.encode("the fox")), "whitespace is kept verbatim"
+    assert lm.encode_pair(" the quick fox", " jumps") == lm.encode_pair("the quick fox", " jumps")
+    (head, _), (tail, _), (whole, _) = lm.loglikelihood(
+        [Req("", " the quick fox"), Req(" the quick fox", " jumps over"), Req("", " the quick fox jumps over")])
+    assert head + tail == pytest.approx(whole, abs=1e-4)
+    (rolling,) = lm.loglikelihood_rolling([Req(" the quick fox jumps over")])
+    assert rolling == pytest.approx(whole, abs=1e-4)
+    spaced, plain = lm.generate_until([Req(" the quick fox", {"until": [], "max_gen_toks": 6}),
+                                       Req("the quick fox", {"until": [], "max_gen_toks": 6})])
+    assert spaced == plain

@@ -112,6 +112,11 @@ class SwitchheadLM(LM):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def _at_start(self, text: str) -> str:
+        """`text` as the start of a document: one leading space is the dummy prefix's, whichever of context,
+        continuation or document carries it, so where a text is split never changes its tokens."""
+        return text[1:] if self._dummy_prefix and text.startswith(" ") else text
+
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids with the EOS prefix, continuation ids), split where the text is split.
 
@@ -121,9 +126,9 @@ class SwitchheadLM(LM):
         if n_space:
             context, continuation = context[:-n_space], context[-n_space:] + continuation
         if not context:
-            if self._dummy_prefix and continuation.startswith(" "):
-                continuation = continuation[1:]
+            continuation = self._at_start(continuation)
             return [self.eos], self.encode(continuation) if continuation else []
+        context = self._at_start(context)
         ctx = self.encode(context)
         whole = self.encode(context + continuation)
         return [self.eos] + ctx, whole[len(ctx):]
@@ -198,10 +203,7 @@ class SwitchheadLM(LM):
         """Whole-document log-likelihood: every token scored, the first one given the EOS start token."""
         seqs = []
         for req in requests:
-            text = req.args[0]
-            if self._dummy_prefix and text.startswith(" "):
-                text = text[1:]
-            seqs.append(([self.eos] + self.encode(text), 1))
+            seqs.append(([self.eos] + self.encode(self._at_start(req.args[0])), 1))
         return [ll for ll, _ in self._with_progress(disable_tqdm, self.score, seqs, "loglikelihood_rolling")]
 
     def _with_progress(self, disable: bool, fn, *args):
@@ -234,7 +236,7 @@ class SwitchheadLM(LM):
                 for start in range(0, len(idx), self.batch_size):
                     part = idx[start:start + self.batch_size]
                     # An empty context is a new document: the generator's EOS priming is all there is.
-                    contexts = [self.encode(jobs[i][0]) if jobs[i][0] else [] for i in part]
+                    contexts = [self.encode(self._at_start(jobs[i][0])) if jobs[i][0] else [] for i in part]
                     for i, g in zip(part, generator.generate_ids(contexts, params)):
                         out[i] = g.text
                     bar.update(len(part))
