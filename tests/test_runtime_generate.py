@@ -62,6 +62,23 @@ def test_detokenizer_random_ids(sp):
         assert sp.decode(context) + out == sp.decode(context + ids)
 
 
+def test_detokenizer_context_that_ends_inside_a_character(sp, model):
+    # Token-id prompts may stop between a character's byte pieces; the character the new ids complete is text.
+    ids = sp.encode("over naïve 漢字 done")
+    assert sum(sp.is_byte(i) for i in ids) >= 6  # 漢 and 字 are three byte pieces each
+    full = sp.decode(ids)
+    for cut in range(1, len(ids)):
+        d = Detokenizer(sp, ids[:cut])
+        out = "".join(d.push(i) for i in ids[cut:]) + d.flush()
+        stable = sp.decode(ids[:cut]).rstrip("\ufffd")  # the prompt's text, up to an unfinished character
+        assert stable + out == full, cut
+    ids = sp.encode("the é")
+    assert [sp.is_byte(i) for i in ids[-2:]] == [True, True]  # é is two byte pieces
+    params = SamplingParams(temperature=0, max_new_tokens=1, logit_bias={ids[-1]: 100.0})
+    (r,) = Generator(TorchBackend(model), sp).generate_ids([ids[:-1]], params)
+    assert r.tokens == ids[-1:] and r.text == "é"
+
+
 def test_stop_text_never_releases_a_partial_stop():
     s = StopText(["STOP", "xyz"])
     assert [s.add(p) for p in ["ab", "cS", "TO"]] == ["ab", "c", ""]  # "STO" may still become "STOP"

@@ -79,6 +79,12 @@ class Detokenizer:
     def _release(self, final: bool) -> str:
         before = self.sp.decode(self.ids[self.prefix:self.read])
         now = self.sp.decode(self.ids[self.prefix:])
+        if not now.startswith(before):
+            # Context ids may end inside a character (token ids cut between its byte pieces): the U+FFFD of its
+            # bytes was never text, the character the new pieces complete is. Without this nothing is ever released.
+            same = next((i for i, (a, b) in enumerate(zip(before, now)) if a != b), min(len(before), len(now)))
+            if not before[same:].strip("\ufffd"):
+                before = before[:same]
         if len(now) <= len(before) or not now.startswith(before) or (now.endswith("\ufffd") and not final):
             return ""
         self.prefix = max(self.read, len(self.ids) - _DETOK_CONTEXT)
