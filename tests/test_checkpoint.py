@@ -174,3 +174,30 @@ def test_save_refuses_what_load_would_refuse(tmp_path):
     with pytest.raises(CheckpointError, match="a SentencePieceProcessor or None as tokenizer, got str"):
         switchhead.save(tmp_path / "ck", TransformerLM(PRESETS["tiny-switchhead"]), tokenizer="tok.model")
     assert not (tmp_path / "ck").exists()
+
+
+_VARIANT = PRESETS["tiny-switchhead"].replace(d_model=20, d_head=8, n_experts=4, k=2, chunk_len=4, n_layers=2,
+                                              vocab_size=31)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", [
+    _VARIANT,
+    _VARIANT.replace(shared_selection=True),
+    _VARIANT.replace(moe_projections=("k", "q")),
+    _VARIANT.replace(positional="rope", mem_chunks=0),
+    _VARIANT.replace(attention="dense", n_heads=3),
+    _VARIANT.replace(attention="dense", positional="rope"),
+    _VARIANT.replace(attention="moa", n_experts=5, n_heads=3, k=3, moa_gate="sigmoid"),
+    _VARIANT.replace(ff="sigma_moe", ff_n_experts=5, ff_expert_size=6, ff_k=2),
+], ids=lambda c: f"{c.attention}-{c.positional}-{''.join(c.moe_projections)}-{c.ff}-sh{int(c.shared_selection)}")
+def test_every_variant_and_dtype_reloads_to_identical_outputs(tmp_path, cfg, dtype):
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to(dtype).eval()
+    switchhead.save(tmp_path / "ck", model)
+    loaded, _ = switchhead.load(tmp_path / "ck", dtype=None)
+    assert {p.dtype for p in loaded.parameters()} == {dtype}
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        (want, want_mem), (got, got_mem) = model(ids), loaded(ids)
+    assert torch.equal(want, got) and (want_mem is None or torch.equal(want_mem, got_mem))

@@ -151,11 +151,16 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
     # A NaN or inf weight raises nothing later: every output is NaN, read as garbage text.
     if (bad := _nonfinite(tensors)) is not None:
         raise CheckpointError(f"{path / WEIGHTS}: tensor {bad} has NaN or infinite values")
+    cast = {}
     if dtype is not None:
         cast = {k: v.to(dtype) for k, v in tensors.items() if v.dtype != dtype}
         if (bad := _nonfinite(cast)) is not None:
             raise CheckpointError(f"{path / WEIGHTS}: tensor {bad} overflows {str(dtype)[6:]}")
-        tensors.update(cast)
+    if device.type == "cpu":
+        # On the CPU the file's tensors are views into a memory map at arbitrary offsets. BLAS takes other code
+        # paths (with other rounding) on unaligned data, so the model would not compute what the saved one did.
+        cast = {k: cast[k] if k in cast else v.clone() for k, v in tensors.items()}
+    tensors.update(cast)
     model.load_state_dict(tensors, assign=True)
     model.eval()
     return model, read_tokenizer(path / TOKENIZER, config)
