@@ -267,3 +267,13 @@ def test_model_compiles_without_graph_breaks_and_matches(name):
         for (n, p), g in zip(model.named_parameters(), got_grads):
             torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12, msg=n)
         model.zero_grad()
+
+
+def test_relative_position_table_memo_never_serves_an_autocast_table_to_full_precision():
+    att = ATTENTION["switchhead"](TINY).eval()
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert att.rel_pos(6).dtype == torch.bfloat16
+        assert att.rel_pos(6).dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert att.rel_pos(6).dtype == torch.bfloat16

@@ -79,6 +79,11 @@ def select_topk(x_ND: Tensor, w_sel: Tensor, n_groups: int, k: int) -> tuple[Ten
     return idx.flatten(1), gate.flatten(1)
 
 
+def _autocast_dtype(device) -> torch.dtype | None:
+    kind = torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 def window_positions(m: int, t: int, device=None) -> tuple[Tensor, Tensor]:
     """Query and key positions [1, T], [1, M+T] for T tokens after M memory tokens."""
     pos_k = torch.arange(m + t, device=device)[None]
@@ -116,10 +121,12 @@ class AttentionBase(nn.Module):
 
         In inference the table is memoised: cached decoding asks for the same 2T distances at every step, and
         recomputing them ([2T, d] x [d, G*dh] per layer) would cost more than the rest of the step. The key
-        includes the weight's version counter, so an in-place update is never served stale."""
+        includes the weight's version counter, so an in-place update is never served stale, and the autocast
+        dtype, so a table rounded under autocast never serves a full-precision forward."""
         w = self.pos.weight
         memoise = not (torch.is_grad_enabled() and w.requires_grad) and not torch.compiler.is_compiling()
-        key = (n, str(device), w.dtype, w.data_ptr(), w._version) if memoise else None
+        key = (n, str(device), w.dtype, _autocast_dtype(device or w.device), w.data_ptr(), w._version) \
+            if memoise else None
         if key is not None and key == getattr(self, "_rel_pos_key", None):
             return self._rel_pos_value
         r = self.pos(sinusoids(n, self.cfg.d_model, device, wide(w).dtype).to(w.dtype))
