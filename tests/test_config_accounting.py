@@ -223,3 +223,16 @@ def test_info_header_names_what_each_attention_routes():
     assert "E=4 k=2 query/output experts, shared K/V" in out["tiny-moa"] and "MoE" not in out["tiny-moa"]
     assert "MoE V/O, shared selection" in out["switchhead-47m-shared"]
     assert "MoE V/O;" in out["switchhead-47m"] and "E=" not in out["tiny-transformer"]
+
+
+def test_match_params_for_rope_and_coarse_valid_values():
+    target = count_params(PRESETS["tiny-switchhead-rope"])["total"]
+
+    def gap(cfg, v):
+        return abs(count_params(cfg.replace(d_head=v))["total"] - target) if v > 0 else float("inf")
+
+    # Parameters grow with d_head, so the nearest accepted neighbours on both sides bound the optimum.
+    m = match_params(PRESETS["tiny-transformer"].replace(positional="rope", d_head=8), target)
+    assert m.d_head % 4 == 0 and gap(m, m.d_head) <= min(gap(m, m.d_head - 4), gap(m, m.d_head + 4))
+    m = match_params(PRESETS["tiny-transformer"], target, valid=lambda v: v % 16 == 0)
+    assert m.d_head % 16 == 0 and gap(m, m.d_head) <= min(gap(m, m.d_head - 16), gap(m, m.d_head + 16))

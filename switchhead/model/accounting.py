@@ -96,26 +96,34 @@ def xl_memory_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -
 def match_params(config: ModelConfig, target: int | ModelConfig, field: str = "d_head",
                  valid: Callable[[int], bool] | None = None) -> ModelConfig:
     """Return `config` with integer `field` (d_head or d_ff) chosen so that its total parameter count is as
-    close as possible to `target` (a count or another config)."""
+    close as possible to `target` (a count or another config), among the values `valid` accepts."""
     if field not in ("d_head", "d_ff"):
         raise ConfigError(f"can only match parameters by d_head or d_ff, not {field!r}")
     goal = count_params(target)["total"] if isinstance(target, ModelConfig) else int(target)
-    ok = valid or ((lambda v: v % 4 == 0) if field == "d_head" and config.positional == "rope" else (lambda v: True))
+    # RoPE refuses a d_head that is no multiple of 4, so the search only ever builds multiples of 4.
+    step = 4 if field == "d_head" and config.positional == "rope" else 1
+    ok = valid or (lambda v: True)
+    limit = (1 << 20) // step
 
-    def total(v: int) -> int:
-        return count_params(config.replace(**{field: v}))["total"]
+    def total(u: int) -> int:
+        return count_params(config.replace(**{field: u * step}))["total"]
 
     lo, hi = 1, 2
     while total(hi) < goal:
         lo, hi = hi, hi * 2
-        if hi > 1 << 20:
+        if hi > limit:
             raise ConfigError(f"cannot reach {goal} parameters by growing {field}")
     while hi - lo > 1:  # parameters grow monotonically with d_head and d_ff
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if total(mid) < goal else (lo, mid)
-    candidates = [v for v in range(max(1, lo - 4), hi + 5) if ok(v)]
-    best = min(candidates, key=lambda v: abs(total(v) - goal))
-    return config.replace(**{field: best})
+    # By monotonicity the best accepted value is the nearest accepted one on either side of the crossing.
+    below = next((u for u in range(lo, 0, -1) if ok(u * step)), None)
+    above = next((u for u in range(hi, limit + 1) if ok(u * step)), None)
+    candidates = [u for u in (below, above) if u is not None]
+    if not candidates:
+        raise ConfigError(f"no {field} up to {limit * step} is accepted by `valid`")
+    best = min(candidates, key=lambda u: abs(total(u) - goal))
+    return config.replace(**{field: best * step})
 
 
 def summary(config: ModelConfig) -> dict:
