@@ -90,6 +90,21 @@ def test_lm_aux_loss_reaches_entropy_regulariser():
     assert TransformerLM(PRESETS["tiny-switchhead"]).aux_loss().item() == 0
 
 
+def test_aux_loss_of_a_forward_over_several_chunks_is_the_mean_of_its_chunks():
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS["tiny-switchall"]).double().eval()
+    t = model.config.chunk_len
+    ids = torch.randint(0, 512, (2, 3 * t))
+    model(ids)
+    whole = model.aux_loss()
+    per_chunk, memory = [], None
+    for i in range(3):
+        _, memory = model(ids[:, i * t:(i + 1) * t], memory)
+        per_chunk.append(model.aux_loss())
+    assert len(set(v.item() for v in per_chunk)) == 3  # the chunks' regularisers differ
+    torch.testing.assert_close(whole, torch.stack(per_chunk).mean(), rtol=1e-12, atol=0)
+
+
 def test_routing_gates_are_sigmoid_values_exactly_k_no_renormalisation():
     torch.manual_seed(1)
     x = torch.randn(10, 24)

@@ -61,6 +61,7 @@ class TransformerLM(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.out = nn.Linear(config.d_model, config.vocab_size)
         self.drop = nn.Dropout(config.dropout)
+        self._aux: Tensor | None = None
 
     def forward(self, input_ids: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits [B, T, vocab] and the memory for the next chunk of the same streams.
@@ -80,10 +81,13 @@ class TransformerLM(nn.Module):
             memory = None
         if memory is not None:
             self._check_memory(memory, input_ids.shape[0])
-        logits = []
+        logits, aux = [], []
         for chunk in input_ids.split(cfg.chunk_len, dim=1):  # checked once above, not per chunk
             out, memory = self._chunk(chunk, memory)
             logits.append(out)
+            aux.append(self._aux_terms())
+        # Each chunk's regulariser, averaged: the scale one chunk per training step gives it.
+        self._aux = torch.stack(aux).mean() if len(aux) > 1 and aux[0] is not None else aux[0]
         return (logits[0] if len(logits) == 1 else torch.cat(logits, 1)), memory
 
     def _check_memory(self, memory: Tensor, batch: int) -> None:
@@ -116,9 +120,13 @@ class TransformerLM(nn.Module):
         return self.out(self.ln_f(x))
 
     def aux_loss(self) -> Tensor:
-        """Auxiliary loss of the last forward (sigma-MoE entropy regularisers, coefficients applied)."""
+        """Auxiliary loss of the last forward (sigma-MoE entropy regularisers, coefficients applied; the mean over
+        its chunks when it ran several)."""
+        return self._aux if self._aux is not None else self.out.bias.new_zeros(())
+
+    def _aux_terms(self) -> Tensor | None:
         terms = [m.last_aux for m in self.modules() if isinstance(m, SigmaMoE) and m.last_aux is not None]
-        return torch.stack(terms).sum() if terms else self.out.bias.new_zeros(())
+        return torch.stack(terms).sum() if terms else None
 
     def record_attention(self, on: bool = True) -> None:
         """Keep each layer's attention probabilities and expert choices of the next forward in
