@@ -1,6 +1,7 @@
 """End-to-end training: loss goes down, checkpoints load, SIGKILL + --resume continues exactly, SIGTERM saves."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -9,14 +10,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from tiny import write_corpus
+import torch.nn.functional as F
+from tiny import WORDS, write_corpus
 
 import switchhead
 from switchhead.errors import SwitchheadError
 from switchhead.model.config import PRESETS
-from switchhead.train import TrainOptions, train
+from switchhead.model.lm import TransformerLM
+from switchhead.train import TrainOptions, evaluate, train
+from switchhead.train.data import TokenStream
 
 REPO = Path(switchhead.__file__).resolve().parents[1]
 
@@ -260,3 +265,77 @@ def test_resume_needs_a_run_and_its_checkpoint(tmp_path):
     with pytest.raises(SwitchheadError, match="has no checkpoint/"):
         train(TrainOptions(out=str(out), resume=True, **{**opts, "steps": 5}))
     assert (out / "final" / "model.safetensors").read_bytes() == final and max(_losses(out)) == 3
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_training_follows_a_reference_loop(tmp_path, sp, grad_accum):
+    # Written out by hand from the documented recipe: each file's tokens then EOS, B contiguous lanes restarted
+    # every epoch, memory = the previous chunk's, AdamW (wd 0), linear warm-up then cosine to zero, global-norm
+    # clipping, loss = mean LM loss + entropy regulariser (per piece of --grad-accum, averaged). A strong
+    # regulariser and a tight clip make a wrong weighting of either visible; 9 steps cross an epoch boundary.
+    tok = tmp_path / "tok.model"
+    tok.write_bytes(sp.serialized_model_proto())
+    files = [write_corpus(tmp_path / f"{i}.txt", WORDS, 5, 8, seed=i) for i in range(2)]
+    cfg = PRESETS["tiny-switchall"].replace(ff_entropy_coef=1.0, grad_clip=0.05, vocab_size=sp.get_piece_size())
+    B, steps, lr, warmup, seed = 4, 9, 3e-3, 3, 5
+    out = tmp_path / "run"
+    train(TrainOptions(config=cfg, data=[str(f) for f in files], out=str(out), tokenizer=str(tok), steps=steps,
+                       batch_size=B, grad_accum=grad_accum, lr=lr, warmup=warmup, seed=seed, log_every=1,
+                       cache_dir=str(tmp_path / "cache"), progress=False))
+
+    ids = np.array([t for f in files for t in sp.encode(f.read_text()) + [sp.eos_id()]])
+    T, lane = cfg.chunk_len, len(ids) // B
+    per_epoch = (lane - 1) // T
+    assert per_epoch < steps
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    memory, losses = None, []
+    for step in range(steps):
+        s = step % per_epoch
+        memory = None if s == 0 else memory
+        rows = torch.tensor(np.stack([ids[b * lane + s * T : b * lane + s * T + T + 1] for b in range(B)]))
+        progress = (step - warmup) / (steps - warmup)
+        rate = lr * (step + 1) / warmup if step < warmup else lr * 0.5 * (1 + math.cos(math.pi * progress))
+        for group in opt.param_groups:
+            group["lr"] = rate
+        opt.zero_grad()
+        pieces, new_memory, n = [], [], B // grad_accum
+        for i in range(grad_accum):
+            part = rows[i * n : (i + 1) * n]
+            logits, m = model(part[:, :-1], None if memory is None else memory[:, i * n : (i + 1) * n])
+            lm = F.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten())
+            ((lm + model.aux_loss()) / grad_accum).backward()
+            pieces.append(lm.item())
+            new_memory.append(m)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        memory, losses = torch.cat(new_memory, 1), [*losses, sum(pieces) / grad_accum]
+
+    assert [m["loss"] for m in _metrics(out)] == pytest.approx(losses, rel=1e-5)
+    trained, _ = switchhead.load(out / "final")
+    for (k, x), y in zip(model.state_dict().items(), trained.state_dict().values()):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_validation_scores_every_held_out_token_in_eval_mode(sp):
+    # Per-token loss over every token but the first, each lane run whole (the model chunks it, carrying memory),
+    # with dropout off; the model goes back to training mode afterwards.
+    cfg = PRESETS["tiny-switchall"].replace(dropout=0.3, ff_expert_dropout=0.3, vocab_size=sp.get_piece_size())
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).double().train()
+    for n, lanes in ((200, 4), (97, 3), (70, 4)):
+        ids = np.random.default_rng(n).integers(0, cfg.vocab_size, n)
+        got = evaluate(model, TokenStream([ids[: n // 3], ids[n // 3 :]]), lanes, torch.device("cpu"))
+        assert model.training
+        per_lane = -(-(n - 1) // lanes)  # these streams have at least `lanes` chunks of targets
+        nll = 0.0
+        with torch.no_grad():
+            model.eval()
+            for b in range(-(-(n - 1) // per_lane)):
+                lane = torch.tensor(ids[b * per_lane : (b + 1) * per_lane + 1])[None]
+                nll += F.cross_entropy(model(lane[:, :-1])[0][0], lane[0, 1:], reduction="sum").item()
+            model.train()
+        assert got["val_tokens"] == n - 1
+        assert got["val_loss"] == pytest.approx(nll / (n - 1), rel=1e-12)
+        assert got["val_ppl"] == pytest.approx(math.exp(nll / (n - 1)), rel=1e-12)
