@@ -1,4 +1,4 @@
-"""Learning-rate schedule of the paper: linear warm-up, then cosine decay to zero at the last step."""
+"""Learning-rate schedule of the paper: linear warm-up, then cosine decay that reaches zero at `total_steps`."""
 
 from __future__ import annotations
 
