@@ -1,11 +1,15 @@
 """Decode speed of the runtime (random weights, preset vocab), in one run so the numbers sit side by side.
 
     .venv/bin/python benchmarks/generate.py [--context 512] [--tokens 16] [--threads N]
+    .venv/bin/python benchmarks/generate.py --against REV [--tokens 16] [--threads N]
 
 1. Cached decoding vs recomputing the full forward over the whole context at every step (switchhead-47m).
 2. switchhead-47m vs transformer-47m decode tokens/s at batch 1 and 8, cache bytes per token.
 3. Bytes one decode step must move (weights actually touched -- only the selected experts -- plus the cache
    window and the relative-position tables read) per second, against measured memory-copy bandwidth.
+
+With --against, only a decode-step table instead: the built-in model and switchhead-47m at batch 1 and 8, with
+the PyTorch expert-projection paths as they are now and as of git revision REV, one step each in turn.
 
 The cache window is a fixed 2T slots, so a decode step costs the same at any context length once the cache
 exists; batch-8 rows are therefore prefilled with short prompts to keep the run to a few minutes.
@@ -16,11 +20,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 
 import torch
+from kernels import _paths_at
 
-from switchhead import PRESETS, TransformerLM
+from switchhead import PRESETS, TransformerLM, load
+from switchhead.kernels import torch_paths
 from switchhead.model.accounting import kv_cache_bytes_per_token
 from switchhead.runtime import TorchBackend, feed
 
@@ -102,17 +109,49 @@ def touched_bytes(model: TransformerLM, be: TorchBackend, cache, batch: int, gen
     return {"weights": weights, "cache": cache.nbytes, "pos": pos_tables}
 
 
+def against_table(rev: str, tokens: int, gen: torch.Generator) -> None:
+    """Decode ms / step with the current PyTorch paths and with those of `rev`, one step each in turn: the cache
+    window is fixed, so every step of a model costs the same whichever variant ran the step before."""
+    variants = {"current": (torch_paths.forward, torch_paths.backward)}
+    old = _paths_at(rev)
+    variants[f"@{rev}"] = (old.forward, old.backward)
+    print(f"\n## decode ms / step, PyTorch paths now and at {rev} (median of {tokens} steps each)")
+    print(f"| model | batch | current | @{rev} | current / @{rev} |")
+    print("|---|---|---|---|---|")
+    models = {"built-in": load()[0], "switchhead-47m": build("switchhead-47m")}
+    try:
+        for name, model in models.items():
+            be = TorchBackend(model)
+            for batch in (1, 8):
+                times: dict[str, list[float]] = {v: [] for v in variants}
+                with torch.inference_mode():
+                    cache = be.new_cache(batch)
+                    feed(be, cache, torch.randint(0, model.config.vocab_size, (batch, 64), generator=gen).tolist())
+                    for _ in range(tokens + 1):  # the first round warms up
+                        for v, (fwd, bwd) in variants.items():
+                            torch_paths.forward, torch_paths.backward = fwd, bwd
+                            times[v].append(time_decode(be, cache, batch, 1, gen))
+                now, then = (statistics.median(ts[1:]) * 1e3 for ts in times.values())
+                print(f"| {name} | {batch} | {now:.2f} | {then:.2f} | {now / then:.2f} |", flush=True)
+    finally:
+        torch_paths.forward, torch_paths.backward = variants["current"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=16, help="decode steps timed per configuration")
     ap.add_argument("--recompute-steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--against", metavar="REV", help="only time decode steps beside the PyTorch paths of REV")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     print(f"# machine: {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{args.threads} threads, load average {os.getloadavg()[0]:.1f} at start")
+    if args.against:
+        against_table(args.against, args.tokens, gen)
+        return
     bw = copy_bandwidth()
     print(f"# memory copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
 

@@ -110,9 +110,10 @@ def _add_row(lines: list[str], row: str) -> None:
 
 
 def _auto_regimes(case: Case, n: int, dtype: torch.dtype) -> tuple[str, str]:
-    """The regimes the op picks for this case's forward and backward."""
+    """The regimes the op picks for this case's forward and backward (on the CPU)."""
     shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
-    return tuple(torch_paths.choose_regime(*shape, backward, dtype=dtype) for backward in (False, True))
+    bag = dtype in (torch.float32, torch.float64)
+    return tuple(torch_paths.choose_regime(*shape, backward, dtype=dtype, bag=bag) for backward in (False, True))
 
 
 def _call(fn: Callable, *args) -> Callable[[], object]:

@@ -173,6 +173,15 @@ def test_torch_regimes_match_naive_loop(shape, regime):
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), torch.float32)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gather_forward_in_float64_is_exact(shape):
+    """The gather forward on the CPU is one embedding_bag in fp32 and fp64: float64 gives the loop to rounding."""
+    exact, _ = make(shape)
+    x, w, index, gate, _ = exact
+    got = torch_paths.FORWARD["gather"](x, w, index, gate, shape.n_out)
+    torch.testing.assert_close(got, naive(x, w, index, gate, shape.n_out), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[10], SHAPES[11]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("regime", ["grouped", "combo"])

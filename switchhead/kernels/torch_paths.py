@@ -2,9 +2,9 @@
 
 Four regimes, each with its own forward and backward, picked per call by `choose_regime`:
 
-- ``gather``: one vector-matrix product per (token, slot) pair against the selected expert (the backward
-  gathers the selected matrices). It reads only the weights that are used and copies none of them, which
-  is what matters at decode time (N*S = a few pairs).
+- ``gather``: one vector-matrix product per (token, slot) pair against the selected expert (on the CPU in
+  fp32/fp64 all of them as one embedding_bag; the backward gathers the selected matrices). It reads only the
+  weights that are used and copies none of them, which is what matters at decode time (N*S = a few pairs).
 - ``dense``: run every expert as one big GEMM and gate afterwards (or scale the inputs by the gates first
   and contract over experts in one GEMM, whichever side has fewer rows). Wastes E*min(I, R)/S times the
   useful MACs but issues one large matmul instead of many small ones plus gathers; wins for small N.
@@ -42,6 +42,9 @@ Grads = tuple[Tensor, Tensor, Tensor]
 # Up to this many (token, slot) pairs a plain loop of vector-matrix products wins: it reads only the selected
 # experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
 GATHER_MAX_PAIRS = 8
+# The forward's gather as one embedding_bag (`_bag_forward`: CPU, fp32/fp64) stays ahead of dense for more pairs:
+# `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense` (docs/BENCHMARKS.md).
+BAG_MAX_PAIRS = 64
 # Above that, dense wastes (E*min(I, R)/S - 1) times the useful MACs while grouped pays a roughly fixed cost per
 # expert (sort, gathers, index_add, small GEMMs): worth about this many MACs each. It puts the crossover at
 # N ~ 140 tokens for 47M (47M O: 1.12 vs 1.27 ms at N = 128, 2.15 vs 1.96 ms at N = 256), N ~ 30 for 262M
@@ -89,8 +92,10 @@ def choose_regime(
     d_out: int,
     backward: bool = False,
     dtype: torch.dtype = torch.float32,
+    bag: bool = False,
 ) -> Regime:
-    if n * slots <= GATHER_MAX_PAIRS:
+    """The regime for these shapes; `bag`: the forward's gather would run as one embedding_bag."""
+    if n * slots <= (BAG_MAX_PAIRS if bag and not backward else GATHER_MAX_PAIRS):
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
     useful_macs = n * slots * d_in * d_out
@@ -145,13 +150,34 @@ def _gated(y: Tensor, gate: Tensor | None) -> Tensor:
 # gather: tiny N
 
 
+def _bags(x: Tensor, weight: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
+
+
 def gather_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    if _bags(x, weight):
+        return _bag_forward(x, weight, index, gate, n_out)
     n, slots = index.shape
     in_per = slots // x.shape[1]
     experts = index.tolist()  # a handful of pairs: one vector-matrix product each, no weight copies
     # (weight may be narrower than x: see `_wide_weight`)
     y = torch.stack([x[t, s // in_per] @ weight[experts[t][s]].to(x.dtype) for t in range(n) for s in range(slots)])
     return _reduce_slots(_gated(y.view(n, slots, -1).to(_acc_dtype(x)), gate), n_out).to(x.dtype)
+
+
+def _bag_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    """The same products as one embedding_bag: x @ W[e] is the sum of W[e]'s rows weighted by x, so each output
+    row is the bag of its slots' expert rows, weighted by gate * x. One call instead of a product per pair, and
+    still only the experts used are read (docs/BENCHMARKS.md: about half the time of the loop at N = 1)."""
+    n, slots = index.shape
+    d_in, d_out = weight.shape[1:]
+    rows = _gated(_per_slot(x, slots), gate)  # [N, S, D_in]: the weight of every expert row
+    ids = (index.long().unsqueeze(-1) * d_in + torch.arange(d_in, device=x.device)).reshape(-1)
+    bags = torch.arange(0, n * slots * d_in, slots // n_out * d_in, device=x.device)  # one per output row
+    out = torch.nn.functional.embedding_bag(
+        ids, weight.reshape(-1, d_out), bags, mode="sum", per_sample_weights=rows.reshape(-1)
+    )
+    return out.view(n, n_out, d_out)
 
 
 def gather_backward(
@@ -439,7 +465,9 @@ def forward(
 ) -> Tensor:
     wide = _widened(x, widen)
     dtype = torch.float32 if wide else x.dtype
-    regime = regime or choose_regime(x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, dtype=dtype)
+    regime = regime or choose_regime(
+        x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, dtype=dtype, bag=not wide and _bags(x, weight)
+    )
     if not wide:
         return FORWARD[regime](x, weight, index, gate, n_out)
     return FORWARD[regime](x.float(), _wide_weight(weight, regime), index, gate, n_out).to(x.dtype)
