@@ -86,7 +86,7 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
             except SwitchheadError as e:
                 raise SwitchheadError(f"{prompts_file}: line {n}: {e}") from None
         prompts = [p for _, p in numbered]
-        # Seeds follow the prompt's place in the file, so results do not depend on --batch-size; seed + i wraps
+        # Seeds follow the prompt's place in the file, so the draws do not depend on --batch-size; seed + i wraps
         # modulo 2**64.
         base = seed_or_random(params.seed)
         for start in range(0, len(prompts), batch_size):

@@ -207,7 +207,8 @@ class Generator:
     def generate(self, prompts: Sequence[str], params: SamplingParams, seeds: Sequence[int] | None = None,
                  on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
         """Generate for a batch of prompts at once. Row i samples with ``seeds[i]`` (default: params.seed, or
-        a random seed; every seed in [0, 2**64 - 1]); its result does not depend on the other rows.
+        a random seed; every seed in [0, 2**64 - 1]); its random draws do not depend on the other rows
+        (its logits may, in the last bits: batched products round differently).
         `on_text(i, text)` streams text. A single string is one prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]

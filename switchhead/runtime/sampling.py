@@ -3,7 +3,8 @@
 Order of application: logit bias, repetition penalty (as in Hugging Face's samplers), presence and frequency
 penalties (OpenAI's), temperature, top-k, top-p, min-p, then one draw. Temperature 0 means greedy. Filters mark
 removed tokens with -inf; each keeps at least the most likely token. Draws take uniforms from per-row generators
-so that a row's result never depends on which other rows share its batch.
+so that a row's draws never depend on which other rows share its batch (its logits can differ in the
+last bits with the batch's shapes, which may flip a near-tie).
 
 Seeds are integers in [0, 2**64), what `torch.Generator.manual_seed` takes. Where one seed yields several
 (the i-th prompt of a prompts file, the j-th of n samples), they are ``seed_plus(seed, i)``: seed + i wrapped
