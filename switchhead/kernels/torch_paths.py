@@ -168,7 +168,7 @@ def gather_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None
 def _bag_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     """The same products as one embedding_bag: x @ W[e] is the sum of W[e]'s rows weighted by x, so each output
     row is the bag of its slots' expert rows, weighted by gate * x. One call instead of a product per pair, and
-    still only the experts used are read (docs/BENCHMARKS.md: about half the time of the loop at N = 1)."""
+    still only the experts used are read (docs/BENCHMARKS.md: 0.58-0.83x the loop's time at N = 1)."""
     n, slots = index.shape
     d_in, d_out = weight.shape[1:]
     rows = _gated(_per_slot(x, slots), gate)  # [N, S, D_in]: the weight of every expert row
@@ -442,8 +442,9 @@ BACKWARD = {"gather": gather_backward, "dense": dense_backward, "grouped": group
 
 def _widened(x: Tensor, widen: bool | None) -> bool:
     """Compute in float32? For half inputs on a CPU without instructions for their dtype (`widen` None), where
-    PyTorch multiplies half matrices by a slow generic route: the op in bf16 took ~10x its float32 time on an AVX2
-    CPU (docs/BENCHMARKS.md, "bf16"). bf16 and fp16 products are exact in float32, so nothing is lost."""
+    PyTorch multiplies half matrices by a slow generic route: a regime in bf16 took 12-68x the op's time computed
+    in float32 at N = 256 on an AVX2 CPU (docs/BENCHMARKS.md, "bf16"). bf16 and fp16 products are exact in
+    float32, so nothing is lost."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         return False
     return widen if widen is not None else x.device.type == "cpu" and not native_half(x.dtype)
