@@ -22,7 +22,7 @@ import switchhead
 from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.export import ExportError, OnnxBackend, export, load_backend, schema
-from switchhead.export.exporter import check_config
+from switchhead.export.exporter import check_config, export_model
 from switchhead.runtime import Generator, SamplingParams, TorchBackend, feed
 
 WORDS = "a river runs past old mills where children play and boats drift slowly toward the sea".split()
@@ -157,6 +157,54 @@ def test_function_body_matches_torch_op_in_every_regime():
         np.testing.assert_allclose(ref, want, atol=1e-5)
 
 
+def _expert_projection_loop(x, w, index, gate, n_out):
+    """The operator's definition, one (token, slot) pair at a time in float64."""
+    n, n_in, _ = x.shape
+    slots = index.shape[1]
+    y = np.zeros((n, n_out, w.shape[2]))
+    for t in range(n):
+        for s in range(slots):
+            y[t, s // (slots // n_out)] += gate[t, s] * (x[t, s // (slots // n_in)].astype(np.float64)
+                                                         @ w[index[t, s]].astype(np.float64))
+    return y
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 3])
+def test_function_body_on_awkward_shapes(tokens):
+    """Both formulations against a float64 loop: no tokens, one token, one expert, k = 1..4, every pair on one
+    expert (the others without tokens), and the all-ones gate the exporter feeds for an absent one."""
+    from onnx.reference import ReferenceEvaluator
+
+    schema.register_schema()
+    rng = np.random.default_rng(tokens)
+    h = onnx.helper
+    # (I, R, k) with S = max(I, R) * k slots: the V/K/Q, O, sigma-MoE and MoA uses and a few more.
+    shapes = [(1, 1, 1), (1, 2, 2), (2, 1, 2), (1, 3, 1), (3, 1, 3), (2, 2, 4), (1, 4, 4), (4, 1, 1)]
+    for (n_in, n_out, k), experts in zip(shapes, [1, 3, 2, 1, 4, 5, 2, 3]):
+        slots = max(n_in, n_out) * k
+        node = h.make_node(schema.OP, ["X", "W", "I", "G"], ["Y"], domain=schema.DOMAIN, n_out=n_out)
+        graph = h.make_graph([node], "g", [
+            h.make_tensor_value_info("X", onnx.TensorProto.FLOAT, ["n", n_in, 3]),
+            h.make_tensor_value_info("W", onnx.TensorProto.FLOAT, [experts, 3, 5]),
+            h.make_tensor_value_info("I", onnx.TensorProto.INT64, ["n", slots]),
+            h.make_tensor_value_info("G", onnx.TensorProto.FLOAT, ["n", slots])],
+            [h.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, ["n", n_out, 5])])
+        proto = h.make_model(graph, functions=[schema.function_proto()], ir_version=10, opset_imports=[
+            h.make_opsetid("", 18), h.make_opsetid(schema.DOMAIN, 1)])
+        onnx.checker.check_model(proto, full_check=True)
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        ref = ReferenceEvaluator(proto)
+        x = rng.standard_normal((tokens, n_in, 3), dtype=np.float32)
+        w = rng.standard_normal((experts, 3, 5), dtype=np.float32)
+        for index, gate in ((rng.integers(0, experts, (tokens, slots)), rng.random((tokens, slots), np.float32)),
+                            (np.full((tokens, slots), experts - 1), np.ones((tokens, slots), np.float32))):
+            feeds = {"X": x, "W": w, "I": index, "G": gate}
+            want = _expert_projection_loop(x, w, index, gate, n_out)
+            for got in (sess.run(None, feeds)[0], ref.run(None, feeds)[0]):
+                assert got.shape == want.shape, (n_in, n_out, k, experts)
+                np.testing.assert_allclose(got, want, atol=1e-5, err_msg=str((n_in, n_out, k, experts)))
+
+
 def _step_feeds(cfg, ids, past_len=0):
     """Raw graph inputs for a first step: `past_len` empty past slots, then the tokens at positions 0..t-1."""
     b, t = ids.shape
@@ -182,6 +230,29 @@ def test_empty_past_and_reference_evaluator(exported, model):
     schema.register_schema()
     ref = onnx.reference.ReferenceEvaluator(str(exported / "model.onnx")).run(["logits"], feeds)[0]
     np.testing.assert_allclose(ref, want, atol=1e-4)
+
+
+def test_fp16_export_of_a_model_in_training():
+    """Exporting a checkpoint in the middle of training: dropout stays on, the run's random numbers are those it
+    would have drawn without the export, and the fp16 graph (both expert-projection regimes, a gate-less one
+    among them) is valid and within fp16 error of the fp32 model."""
+    cfg = PRESETS["tiny-switchall"].replace(n_layers=1, d_model=32, d_head=8, ff_expert_size=8, dropout=0.1)
+    model = _model(cfg).train()
+    model.blocks[0].ff.eval()  # a submodule its trainer keeps in eval mode
+    torch.manual_seed(5)
+    proto = export_model(model, dtype="fp16")
+    drawn = torch.rand(4)
+    assert model.training and model.blocks[0].attn.training and not model.blocks[0].ff.training
+    assert next(model.parameters()).dtype == torch.float32
+    torch.manual_seed(5)
+    assert torch.equal(drawn, torch.rand(4))
+    schema.register_schema()
+    onnx.checker.check_model(proto, full_check=True)
+    ids = _ids(cfg.vocab_size, 2, 9)
+    feeds = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in _step_feeds(cfg, ids).items()}
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    diff = np.abs(sess.run(["logits"], feeds)[0] - _forward(model.eval(), ids).numpy())
+    assert diff.max() <= 3e-2 and diff.mean() <= 3e-3
 
 
 # --- parity -------------------------------------------------------------------------------------------
@@ -229,6 +300,18 @@ def test_ragged_steps_match_torch_backend(exported, model, variant_exports, name
         assert (x - y).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["switchall", "moa"])
+def test_variant_runs_under_the_reference_evaluator(variant_exports, name):
+    from onnx.reference import ReferenceEvaluator
+
+    m, path = variant_exports[name]
+    ids = _ids(m.config.vocab_size, 2, 5)
+    feeds = _step_feeds(m.config, ids)
+    schema.register_schema()
+    ref = ReferenceEvaluator(str(path / "model.onnx")).run(["logits"], feeds)[0]
+    np.testing.assert_allclose(ref, _forward(m, ids).numpy(), atol=1e-4)
+
+
 def test_greedy_generation_is_token_identical(exported, model, sp):
     backend = load_backend(exported)
     prompts = ["a river runs", "children play and", "boats"]
@@ -269,6 +352,19 @@ def test_int8_quantisation(exported, model, tmp_path):
     assert abs(int8 / fp32 - 1) < 0.05
 
 
+def test_int8_export_runs_as_its_graph_defines(tmp_path):
+    """ONNX Runtime agrees with onnx.reference's exact integer arithmetic on the quantised graph, whatever the
+    CPU's int8 instructions (x86 without VNNI saturates full-range u8 x s8 products)."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = _model(PRESETS["tiny-transformer"].replace(n_layers=1))
+    q = export(None, tmp_path / "int8", model=model, quantize="int8")
+    feeds = _step_feeds(model.config, _ids(model.config.vocab_size, 2, 16))
+    got = ort.InferenceSession(str(q.out / "model.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feeds)
+    want = ReferenceEvaluator(str(q.out / "model.onnx")).run(["logits"], feeds)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-4)
+
+
 # --- errors and the CLI ------------------------------------------------------------------------------
 
 
@@ -301,6 +397,13 @@ def test_export_needs_a_model(tmp_path):
     with pytest.raises(ExportError, match="export needs a TransformerLM, got str"):
         export(None, tmp_path / "x", model="tiny-switchhead")
     assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_a_tokenizer_of_another_vocabulary(model, tmp_path):
+    other = word_tokenizer(WORDS + ["zebra", "quartz"], vocab_size=320)
+    with pytest.raises(ExportError, match="the tokenizer has 320 pieces but the model's vocab_size is 300"):
+        export(None, tmp_path / "x", model=model, tokenizer=other)
+    assert _no_output(tmp_path / "x")
 
 
 def test_unsupported_config_is_named():

@@ -32,6 +32,7 @@ from switchhead.fileio import atomic_directory, check_output_dir, holds_only
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
+from switchhead.model.tokenizer import vocab_mismatch
 
 MODEL_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.onnx", "layout.json", "config.json", "tokenizer.model"
 FORMAT = "switchhead-onnx/1"
@@ -151,12 +152,15 @@ def check_config(cfg: ModelConfig) -> None:
 def _example_inputs(cfg: ModelConfig, dtype: torch.dtype, batch: int = 2, seq: int = 3, past: int = 5):
     """Sizes chosen distinct and > 1 so that the exporter cannot specialise or unify any dynamic axis."""
     heads = kv_heads(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    # A private generator: exporting must not advance the caller's random stream (a training run that exports
+    # a checkpoint would otherwise continue differently from one that does not).
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     pos_q = torch.arange(past, past + seq)[None].expand(batch, -1).contiguous()
     mask = torch.ones(batch, seq, dtype=torch.bool)
     past_pos = torch.arange(past)[None].expand(batch, -1).contiguous()
     past_valid = torch.ones(batch, past, dtype=torch.bool)
-    kv = [torch.randn(batch, heads, past, cfg.d_head, dtype=dtype) for _ in range(2 * cfg.n_layers)]
+    kv = [torch.randn(batch, heads, past, cfg.d_head, dtype=dtype, generator=gen) for _ in range(2 * cfg.n_layers)]
     return (ids, pos_q, mask, past_pos, past_valid, *kv)
 
 
@@ -176,17 +180,19 @@ def export_model(model: TransformerLM, dtype: str = "fp32", opset: int = 18) -> 
     check_config(cfg)
     schema.register_schema()
     tdtype = DTYPES[dtype]
-    model = model.eval()
     if next(model.parameters()).dtype != tdtype or next(model.parameters()).device.type != "cpu":
         # A private copy: the caller's model keeps its dtype and device.
         import copy
 
-        model = copy.deepcopy(model).to(device="cpu", dtype=tdtype).eval()
-    step = DecodeStep(model).eval()
+        model = copy.deepcopy(model).to(device="cpu", dtype=tdtype)
     args = _example_inputs(cfg, tdtype)
     # The exporter logs one warning per optional torchvision op it cannot register; they do not concern us.
     registration_log = logging.getLogger("torch.onnx._internal.exporter._registration")
-    with warnings.catch_warnings(), torch.no_grad(), _log_level(registration_log, logging.ERROR):
+    # Traced without dropout, and the caller's model keeps its mode: exporting a checkpoint in the middle of
+    # training must not switch the rest of that training's dropout off.
+    with _eval_mode(model), warnings.catch_warnings(), torch.no_grad(), \
+            _log_level(registration_log, logging.ERROR):
+        step = DecodeStep(model).eval()
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             step, args, dynamo=True, opset_version=opset, input_names=input_names(cfg),
@@ -218,8 +224,24 @@ def finalize(proto: onnx.ModelProto, cfg: ModelConfig) -> onnx.ModelProto:
     keep = [vi for vi in proto.graph.value_info if vi.name not in inits]
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(keep)
+    _positive_gather_axes(proto.graph)
     _check_interface(proto, cfg)
     return proto
+
+
+def _positive_gather_axes(graph: onnx.GraphProto) -> None:
+    """GatherElements with the axis counted from the end (sigma-MoE's gates, gathered with axis -1) as the same
+    axis counted from the start: onnx.reference's GatherElements misreads a negative axis and refuses any index
+    narrower than its data, so it could not run sigma-MoE models."""
+    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in (*graph.value_info, *graph.input)
+             if vi.type.tensor_type.HasField("shape")}
+    ranks.update((t.name, len(t.dims)) for t in graph.initializer)
+    for node in _all_nodes(graph):
+        if node.op_type != "GatherElements" or node.domain not in ("", "ai.onnx") or node.input[0] not in ranks:
+            continue
+        for attr in node.attribute:
+            if attr.name == "axis" and attr.i < 0:
+                attr.i += ranks[node.input[0]]
 
 
 def _all_nodes(graph: onnx.GraphProto):
@@ -325,6 +347,18 @@ def layout(cfg: ModelConfig, dtype: str, quantize: str | None) -> dict:
 
 
 @contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    # Module by module: a model being trained may hold submodules its trainer keeps in eval mode.
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
 def _log_level(logger: logging.Logger, level: int):
     old = logger.level
     logger.setLevel(level)
@@ -341,8 +375,12 @@ def quantize_int8(src: Path, dst: Path) -> None:
     # The quantiser's shape inference has to know the custom operator too.
     schema.register_schema()
     # The quantiser logs a generic "consider pre-processing" warning on the root logger for every model.
+    # reduce_range (7-bit weights): ONNX Runtime's u8 x s8 kernels on x86 CPUs without VNNI add pairs of
+    # products in saturating 16-bit lanes, so full-range weights give CPU-dependent results, several percent of
+    # perplexity off on small models; with 7 bits no sum can saturate and every CPU computes the graph exactly.
     with _log_level(logging.getLogger(), logging.ERROR):
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                         reduce_range=True)
     q = onnx.load(str(dst))
     if not any(f.domain == schema.DOMAIN for f in q.functions) and any(
             n.domain == schema.DOMAIN for n in q.graph.node):
@@ -391,6 +429,8 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
         raise ExportError(f"export needs a TransformerLM, got {type(model).__name__}")
     cfg = model.config
     check_config(cfg)
+    if tokenizer is not None and (problem := vocab_mismatch(tokenizer, cfg.vocab_size)):
+        raise ExportError(f"the tokenizer {problem}")  # load_backend would refuse the export
     if out is None:
         # Never write next to the built-in model: that is inside the installed package.
         if builtin:

@@ -101,6 +101,9 @@ def function_proto() -> onnx.FunctionProto:
         n("Squeeze", ["s1"], ["s_s"]),
         # Input row read by each slot: s // (S / I).
         n("Div", ["s1", "i1"], ["per_in1"]),
+        # Slots summed into each output row, S / R: spelled out in the reshapes below rather than left to -1,
+        # which Reshape cannot infer when N = 0 (no tokens) makes every other product zero.
+        n("Div", ["s1", "r1"], ["per_out1"]),
         n("Squeeze", ["per_in1"], ["per_in_s"]),
         n("Range", ["zero_s", "s_s", "one_s"], ["slots"]),
         n("Div", ["slots", "per_in_s"], ["in_row"]),
@@ -128,7 +131,7 @@ def function_proto() -> onnx.FunctionProto:
         n("Add", ["row_e", "INDEX"], ["pick"]),
         n("Gather", ["y_rows", "pick"], ["y_sel"], axis=0),  # [N, S, D_out]
         n("Mul", ["y_sel", "g3"], ["y_gated"]),
-        n("Concat", ["zero", "r1", "minus1", "dout1"], ["grp_shape"], axis=0),
+        n("Concat", ["zero", "r1", "per_out1", "dout1"], ["grp_shape"], axis=0),
         n("Reshape", ["y_gated", "grp_shape"], ["y_grp"]),  # [N, R, S/R, D_out]
         n("ReduceSum", ["y_grp", "two"], ["y_expand"], keepdims=0),
     ]
@@ -141,10 +144,10 @@ def function_proto() -> onnx.FunctionProto:
         n("Equal", ["idx3", "experts"], ["hot"]),
         n("CastLike", ["hot", "X"], ["hot_f"]),
         n("Mul", ["hot_f", "g3"], ["coef"]),  # [N, S, E]
-        n("Concat", ["zero", "r1", "minus1", "e1"], ["coef_shape"], axis=0),
+        n("Concat", ["zero", "r1", "per_out1", "e1"], ["coef_shape"], axis=0),
         n("Reshape", ["coef", "coef_shape"], ["coef4"]),  # [N, R, S/R, E]
         n("Transpose", ["coef4"], ["coef4t"], perm=[0, 1, 3, 2]),  # [N, R, E, S/R]
-        n("Concat", ["zero", "r1", "minus1", "din1"], ["xs_shape"], axis=0),
+        n("Concat", ["zero", "r1", "per_out1", "din1"], ["xs_shape"], axis=0),
         n("Reshape", ["xs", "xs_shape"], ["xs4"]),  # [N, R, S/R, D_in]
         n("MatMul", ["coef4t", "xs4"], ["z"]),  # [N, R, E, D_in]
         n("Mul", ["e1", "din1"], ["ed1"]),
