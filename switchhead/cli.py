@@ -245,8 +245,8 @@ def train(ctx, **params):
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts decoded together.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: text, token count, speeds.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is often faster "
-              "for small models or on a busy machine).")
+@click.option("--threads", type=int, help="CPU threads for torch, or ONNX Runtime with --onnx (default: their "
+              "choice; 1 is often faster for small models or on a busy machine).")
 def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
              presence_penalty, frequency_penalty, seed, stop, prompts_file, batch_size, as_json, device, threads):
     """Continue PROMPT (or stdin) with a trained model, streaming the text."""
@@ -263,7 +263,8 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
         click.echo(text, nl=False)
         sys.stdout.flush()
 
-    run_generate(prompt, ckpt, params, prompts_file, as_json, device, batch_size, write, onnx_dir=onnx_dir)
+    run_generate(prompt, ckpt, params, prompts_file, as_json, device, batch_size, write, onnx_dir=onnx_dir,
+                 threads=threads)
 
 
 @main.command("eval")
@@ -374,7 +375,8 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize):
 @click.option("--max-tokens", type=int, default=2048, show_default=True, help="Largest max_tokens accepted.")
 @click.option("--model-name", help="Model id in the API (default: the checkpoint directory's name).")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", type=int, help="CPU threads for torch (default: torch's choice).")
+@click.option("--threads", type=int, help="CPU threads for torch, or ONNX Runtime with --onnx (default: their "
+              "choice).")
 def serve(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens, model_name,
           device, threads):
     """OpenAI-compatible HTTP server (/v1/completions, /v1/models, /health) with continuous batching.
@@ -385,4 +387,4 @@ def serve(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_
 
     set_threads(threads)
     run_server(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens,
-               model_name=model_name, device=device)
+               model_name=model_name, device=device, threads=threads)

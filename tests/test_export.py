@@ -333,6 +333,25 @@ def test_generate_cli_with_onnx_matches_checkpoint(exported, ckpt):
     assert both.exit_code == 2 and "not both" in both.output
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_reach_onnx_runtime(exported, threads):
+    """--threads of generate, serve and eval sets ONNX Runtime's intra-op threads for an export (torch's are
+    irrelevant there)."""
+    from switchhead.evals import SwitchheadLM
+    from switchhead.runtime.commands import load_generator
+
+    backends = [load_generator(None, onnx_dir=str(exported), threads=threads).backend,
+                SwitchheadLM(onnx=str(exported), threads=threads, progress=False).backend]
+    assert [b.session.get_session_options().intra_op_num_threads for b in backends] == [threads, threads]
+    before = torch.get_num_threads()
+    try:
+        args = ["generate", "a river runs", "--onnx", str(exported), "--max-new-tokens", "3", "--threads", threads]
+        r = CliRunner().invoke(main, list(map(str, args)))
+        assert r.exit_code == 0, r.output
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- int8 ---------------------------------------------------------------------------------------------
 
 

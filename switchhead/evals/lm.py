@@ -55,7 +55,8 @@ class SwitchheadLM(LM):
 
     def __init__(self, ckpt: str | None = None, onnx: str | None = None, model=None, tokenizer=None,
                  batch_size: int | str | None = DEFAULT_BATCH_SIZE, device: str | None = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, progress: bool = True, **_ignored):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, progress: bool = True, threads: int | None = None,
+                 **_ignored):
         super().__init__()
         if sum(x is not None for x in (ckpt, onnx, model)) != 1:
             raise SwitchheadError("give exactly one of ckpt=DIR, onnx=DIR or model=")
@@ -69,7 +70,7 @@ class SwitchheadLM(LM):
         elif onnx is not None:
             from switchhead.export import load_backend
 
-            backend = load_backend(onnx)
+            backend = load_backend(onnx, threads=threads)  # ONNX Runtime's threads; torch's are global
             tokenizer = tokenizer or backend.tokenizer
         elif isinstance(model, torch.nn.Module):
             backend = TorchBackend(model.to(device))

@@ -55,7 +55,8 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
     """Evaluate on the named tasks (lambada, blimp, cbt) and the perplexity of each of `texts` (`text.py`; lanes
     = `batch_size`); returns lm-eval's results dict, with the text rows under "text" (also written to `output`
     as JSON when given; `unwrap` reads the texts as `train --unwrap` does). Inputs are validated before anything
-    slow happens. `threads` sets torch's intra-op CPU threads for the process (None: leave as is)."""
+    slow happens. `threads` sets torch's intra-op CPU threads for the process, and ONNX Runtime's for an export
+    (None: leave as is)."""
     texts = list(texts or [])
     names = parse_tasks(tasks) if tasks or not texts else []
     if limit is not None and (not is_int(limit) or limit < 1):
@@ -95,7 +96,7 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
     from switchhead.evals.lm import SwitchheadLM
 
     lm = SwitchheadLM(ckpt=ckpt, onnx=onnx, model=model, tokenizer=tokenizer, batch_size=batch_size,
-                      device=device, progress=progress)
+                      device=device, progress=progress, threads=threads)
     if names:
         import lm_eval
 

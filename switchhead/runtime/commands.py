@@ -15,7 +15,10 @@ from switchhead.runtime.engine import Generator
 from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
 
 
-def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | None = None) -> Generator:
+def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | None = None,
+                   threads: int | None = None) -> Generator:
+    """A generator over a checkpoint (default: the built-in model) or an ONNX export; `threads`: ONNX Runtime's
+    intra-op threads for an export (None: its default; torch's are the process's, see devices.set_threads)."""
     from switchhead.model.checkpoint import load
 
     if ckpt is not None and onnx_dir is not None:
@@ -25,7 +28,7 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
             raise SwitchheadError("--onnx needs a directory (an export of `switchhead export --onnx`)")
         from switchhead.export import load_backend
 
-        backend = load_backend(onnx_dir)
+        backend = load_backend(onnx_dir, threads=threads)
         if backend.tokenizer is None:
             raise SwitchheadError(f"{onnx_dir} has no tokenizer.model; generation needs one to read text")
         return Generator(backend, backend.tokenizer)
@@ -65,7 +68,7 @@ def _is_json_object(line: str) -> bool:
 
 def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, prompts_file: str | None,
                  as_json: bool, device: str | None, batch_size: int, write: Callable[[str], None],
-                 stdin=None, onnx_dir: str | None = None) -> None:
+                 stdin=None, onnx_dir: str | None = None, threads: int | None = None) -> None:
     """Validate everything that can be checked cheaply before loading the model, then generate."""
     if batch_size < 1:
         raise SwitchheadError(f"batch-size must be >= 1, got {batch_size}")
@@ -78,7 +81,7 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
         except UnicodeDecodeError as e:  # a strict stdin; under surrogateescape, Generator.encode reports it
             raise SwitchheadError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
         prompt = text[:-1] if text.endswith("\n") else text
-    gen = load_generator(ckpt, device, onnx_dir)
+    gen = load_generator(ckpt, device, onnx_dir, threads)
     if numbered is not None:
         for n, p in numbered:  # fail before spending time on the earlier batches
             try:

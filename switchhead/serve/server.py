@@ -33,7 +33,7 @@ def check_address(host: str, port: int) -> None:
 
 def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max_batch: int, max_queue: int,
                timeout: float, max_prompt_tokens: int, max_tokens: int, model_name: str | None = None,
-               device: str | None = None, log_level: str = "info") -> None:
+               device: str | None = None, log_level: str = "info", threads: int | None = None) -> None:
     check_options(port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens)
     if model_name is not None and not model_name.strip():
         raise SwitchheadError("--model-name is empty; give a name, or leave it out for the checkpoint's")
@@ -47,7 +47,7 @@ def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max
     from switchhead.runtime.commands import load_generator
 
     check_address(host, port)  # before loading the model
-    gen = load_generator(ckpt, device, onnx_dir)
+    gen = load_generator(ckpt, device, onnx_dir, threads)
     config = ServeConfig(model_name=model_name or default_model_name(ckpt, onnx_dir), max_batch=max_batch,
                          max_queue=max_queue, timeout_s=timeout or None,
                          limits=Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens))
