@@ -418,6 +418,14 @@ def test_export_needs_a_model(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_python_api_refuses_ambiguous_or_mistyped_options(model, ckpt, tmp_path):
+    with pytest.raises(ExportError, match="opset must be an integer, got '18'"):
+        export(None, tmp_path / "a", model=model, opset="18")
+    with pytest.raises(ExportError, match="not both"):
+        export(ckpt, tmp_path / "b", model=model)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_export_refuses_a_tokenizer_of_another_vocabulary(model, tmp_path):
     other = word_tokenizer(WORDS + ["zebra", "quartz"], vocab_size=320)
     with pytest.raises(ExportError, match="the tokenizer has 320 pieces but the model's vocab_size is 300"):

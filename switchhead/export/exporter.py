@@ -26,7 +26,7 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, is_int
 from switchhead.export import schema
 from switchhead.fileio import atomic_directory, check_output_dir, holds_only
 from switchhead.model.accounting import kv_heads
@@ -131,6 +131,8 @@ def check_options(dtype: str = "fp32", quantize: str | None = None, opset: int =
     if quantize is not None and dtype != "fp32":
         raise ExportError(f"--quantize {quantize} needs --dtype fp32 (dynamic quantisation starts from fp32 "
                           f"weights), got --dtype {dtype}")
+    if not is_int(opset):
+        raise ExportError(f"the opset must be an integer, got {opset!r}")
     if opset != schema.OPSET:
         raise ExportError(f"unsupported --opset {opset}: the exporter targets opset {schema.OPSET} only "
                           "(what ONNX Runtime 1.31 and the expert-projection function body are tested with)")
@@ -417,6 +419,8 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     from switchhead.model.checkpoint import resolve_checkpoint
 
     check_options(dtype, quantize, opset)
+    if model is not None and ckpt is not None:
+        raise ExportError("give a checkpoint directory or a model, not both")
     builtin = model is None and ckpt is None
     if model is None:
         ckpt = resolve_checkpoint(ckpt)
