@@ -79,6 +79,19 @@ def test_detokenizer_context_that_ends_inside_a_character(sp, model):
     assert r.tokens == ids[-1:] and r.text == "é"
 
 
+def test_each_row_reports_its_own_decode_time(gen, sp):
+    # EOS made likely (the fixture's bias is -20): rows end at different steps, each timed up to the step that
+    # ended it.
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, logit_bias={sp.eos_id(): 24.0})
+    rows = gen.generate(["the cat"] * 8, params, seeds=range(8))
+    # Step that ended a row: an EOS is drawn without being kept, a last kept token ends its own step.
+    ended = {id(r): len(r.tokens) - (r.finish_reason != "eos") for r in rows}
+    pairs = [(a, b) for a in rows for b in rows if ended[id(a)] < ended[id(b)]]
+    assert pairs
+    assert all(a.decode_s < b.decode_s for a, b in pairs)
+    assert len({r.decode_s for r in rows}) == len(set(ended.values()))
+
+
 def test_stop_text_never_releases_a_partial_stop():
     s = StopText(["STOP", "xyz"])
     assert [s.add(p) for p in ["ab", "cS", "TO"]] == ["ab", "c", ""]  # "STO" may still become "STOP"

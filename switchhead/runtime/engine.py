@@ -259,7 +259,9 @@ class Generator:
                 on_text(b, piece)
 
         t0 = time.perf_counter()
+        ended = [0.0] * B  # each row's decode time: until the step that finished it, not the batch's last
         while any(active):
+            running = active.copy()
             if self.banned is not None:
                 last = last.masked_fill(self.banned.to(last.device), float("-inf"))
             nxt = choose(last, params, history, gens).tolist()
@@ -277,12 +279,13 @@ class Generator:
                     r.finish_reason, active[b] = "stop", False
                 elif len(r.tokens) >= params.max_new_tokens:
                     active[b] = False
+            now = time.perf_counter() - t0
+            ended = [now if was and not still else e for was, still, e in zip(running, active, ended)]
             if not any(active):
                 break
             ids = [[nxt[b]] if active[b] else [] for b in range(B)]
             step = feed(self.backend, cache, ids, trusted=True)
             last = torch.stack([s if s is not None else last[b] for b, s in enumerate(step)])
-        decode_s = time.perf_counter() - t0
         for b, r in enumerate(results):
             if not texts[b].stopped:
                 emit(b, detoks[b].flush())
@@ -290,5 +293,5 @@ class Generator:
             if tail and on_text is not None:
                 on_text(b, tail)
             r.text = texts[b].text
-            r.prefill_s, r.decode_s = prefill_s, decode_s
+            r.prefill_s, r.decode_s = prefill_s, ended[b]
         return results
