@@ -165,3 +165,38 @@ def test_non_utf8_text_is_refused(sp, tmp_path):
     binary.write_bytes(bytes(range(256)))
     with pytest.raises(SwitchheadError, match=re.escape("(byte 0x80 at offset 128, line 2)")):
         encode_file(sp, binary)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "It was a dark\r\nand stormy night.\r\n\r\nThe rain fell\r\nhard.\r\n",
+        "one\n \r\ntwo\n\x0c\nthree\n\u00a0\u3000\nfour\n\x0b\nfive",
+        "\r\n\r\nlead\r\n\r\n\r\n",
+    ],
+)
+def test_unwrap_paragraphs_any_whitespace_line_is_blank(text):
+    from switchhead.model.tokenizer import unwrap_paragraphs
+
+    assert unwrap_paragraphs(text) == _unwrap_by_lines(text)
+
+
+def test_unwrap_crlf_book_keeps_paragraphs():
+    from switchhead.model.tokenizer import unwrap_paragraphs
+
+    text = "It was a dark\r\nand stormy night.\r\n\r\nThe rain fell\r\nhard.\r\n"
+    assert unwrap_paragraphs(text) == "It was a dark and stormy night.\n\nThe rain fell hard."
+
+
+def test_round_trip_of_arbitrary_unicode(sp):
+    rng = np.random.default_rng(1)
+    # Every code point but the surrogates (not text) and U+2581, which SentencePiece reads as its space mark.
+    ranges = [(0, 0x80), (0x80, 0xD800), (0xE000, 0x110000)]
+    for _ in range(300):
+        lo, hi = ranges[rng.integers(3)]
+        text = "".join(chr(c) for c in rng.integers(lo, hi, size=rng.integers(0, 30)) if c != 0x2581)
+        text += rng.choice(["", "\n", "  \n\n\t", "\r\n"])
+        assert sp.decode(sp.encode(text)) == text, repr(text)
+    long_line = "the quick brown fox " * 5000 + "\x00\x1b[0m"
+    assert sp.decode(sp.encode(long_line)) == long_line
+    assert sp.decode(sp.encode("a \u2581 b")) == "a   b"

@@ -5,6 +5,7 @@ Conventions every part of the package relies on:
 - BPE with digits split into single pieces (as in the paper), byte fallback so that any text round-trips.
 - Text is encoded as one string per document with the identity normaliser and whitespace kept verbatim, and
   ``"\\n"`` is a piece of its own, so ``decode(encode(text)) == text`` exactly (books keep their line breaks).
+  The one exception is U+2581 (``▁``), SentencePiece's own mark for a space: it decodes as a space.
 - Documents are *followed* by the EOS id (``sp.eos_id()``): in a token stream, EOS means "a new, unrelated
   document starts next". Generation from scratch primes with ``[eos]``; evaluation scores streams built with
   `encode_documents`.
@@ -34,8 +35,9 @@ DEFAULT_MAX_SENTENCES = 200_000
 _MAX_SENTENCE_CHARS = 2000
 
 
-# A paragraph break: a line break, then a line holding only whitespace (then any further blank lines).
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
+# A paragraph break: a line break, then a line holding only whitespace (then any further blank lines). Any
+# whitespace, not just spaces and tabs: in CRLF files (as many Gutenberg books are) a blank line is "\r".
+_PARAGRAPH_BREAK = re.compile(r"\n[^\S\n]*\n\s*")
 
 
 def unwrap_paragraphs(text: str) -> str:

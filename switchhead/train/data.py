@@ -23,7 +23,7 @@ from switchhead.fileio import check_creatable, not_utf8
 from switchhead.model.tokenizer import encode_file, token_dtype, tokenizer_fingerprint
 
 # Bump when the way files become tokens changes, so stale caches are not reused.
-_CACHE_VERSION = "1"
+_CACHE_VERSION = "2"  # 2: --unwrap keeps paragraphs of CRLF files
 
 
 def default_cache_dir() -> Path:
