@@ -322,3 +322,19 @@ def test_usage_legend_covers_no_bar(tmp_path, n_groups, n_experts, peak):
         bars = [p.get_window_extent(renderer) for p in ax.patches]
         assert len(bars) == n_groups * n_experts
         assert not any(legend.overlaps(b) for b in bars), (n_groups, peak)
+
+
+@pytest.mark.parametrize("projections, sides", [(("v",), {"v"}), (("k",), {"v"}), (("q",), {"o"}),
+                                                (("v", "k"), {"v"}), ((), set())])
+def test_only_choices_that_feed_a_projection_are_reported(projections, sides):
+    from switchhead.analysis import expert_usage, to_json
+
+    cfg = SMALL.replace(moe_projections=projections)
+    model = _model(cfg)
+    chunks = collect(model, list(range(9)))
+    for chunk in chunks:
+        for trace in chunk.layers.values():
+            assert {s for s in ("v", "o") if getattr(trace, s) is not None} == sides
+    assert set(expert_usage(cfg, chunks, 0)) == sides
+    head = to_json(cfg, [str(i) for i in range(9)], list(range(9)), chunks, [0])["chunks"][0]["layers"][0]["heads"][0]
+    assert {s for s in ("v", "o") if head[s] is not None} == sides
