@@ -105,6 +105,17 @@ def test_aux_loss_of_a_forward_over_several_chunks_is_the_mean_of_its_chunks():
     torch.testing.assert_close(whole, torch.stack(per_chunk).mean(), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("projections", [("v",), ("k",), ("q",), ("o",), ("v", "o"), ()])
+def test_only_sides_with_expert_projections_are_routed(projections):
+    cfg = TINY.replace(moe_projections=projections, shared_selection=True)
+    att = ATTENTION["switchhead"](cfg).eval()
+    att.record = True
+    with torch.no_grad():
+        att(torch.randn(2, 5, cfg.d_model))
+    want = {s for s, ps in (("v", "vk"), ("o", "oq")) if any(p in projections for p in ps)}
+    assert set(att.last_routes) == want
+
+
 def test_routing_gates_are_sigmoid_values_exactly_k_no_renormalisation():
     torch.manual_seed(1)
     x = torch.randn(10, 24)

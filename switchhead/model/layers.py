@@ -198,7 +198,8 @@ class SwitchHeadAttention(AttentionBase):
     def route(self, x_ND: Tensor, side: str, batch: int = 1) -> tuple[Tensor, Tensor] | None:
         """(expert ids, gates) [N, H*k] for the source ('v') or destination ('o') side, or None if dense."""
         w = self.sel_v if side == "v" else self._sel_o
-        if w is None:
+        # `_sel_o` falls back to V's selection (shared selection), also when O and Q are dense: no choice then.
+        if w is None or not any(self.cfg.is_moe(p) for p in ("vk" if side == "v" else "oq")):
             return None
         idx, gate = select_topk(x_ND, w, self.cfg.n_heads, self.cfg.k)
         self._record_route(side, idx, gate, batch, self.cfg.n_heads, self.cfg.n_experts)
