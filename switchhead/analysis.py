@@ -73,19 +73,6 @@ def n_maps(cfg) -> int:
     return cfg.n_heads
 
 
-def routed_sides(cfg) -> tuple[str, ...]:
-    """The sides whose expert choices feed a projection: "v" (source: V, K) and "o" (destination: O, Q).
-
-    The attention computes a destination-side choice whenever it has a selection matrix, also when O and Q are
-    dense (V-only models); such a choice changes nothing and is not reported."""
-    if cfg.attention == "moa":
-        return ("o",)
-    if cfg.attention != "switchhead":
-        return ()
-    return tuple(side for side, projections in (("v", "vk"), ("o", "oq"))
-                 if any(cfg.is_moe(p) for p in projections))
-
-
 def head_selection(cfg, trace: LayerTrace, side: str, head: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(experts, gates) [tokens, k'] that fed attention map `head` on `side` ("v" or "o"), or None if dense.
 
@@ -142,7 +129,6 @@ def collect(model, ids: Sequence[int], layers: Sequence[int] | None = None) -> l
     device = next(model.parameters()).device
     ids_t = torch.as_tensor(list(ids), dtype=torch.long, device=device)[None]
     check_ids(ids_t, cfg.vocab_size)
-    sides = routed_sides(cfg)
     was_training = model.training
     model.eval()
     model.record_attention(True)
@@ -157,7 +143,7 @@ def collect(model, ids: Sequence[int], layers: Sequence[int] | None = None) -> l
                     attn = model.blocks[i].attn
                     probs = attn.last_probs[0].float().cpu().numpy()
                     routes = {side: (e[0].cpu().numpy().astype(np.int16), g[0].float().cpu().numpy())
-                              for side, (e, g) in attn.last_routes.items() if side in sides}
+                              for side, (e, g) in attn.last_routes.items()}
                     if chunk is None:
                         chunk = ChunkTrace(c, start, probs.shape[2] - probs.shape[1])
                     chunk.layers[i] = LayerTrace(probs, routes.get("v"), routes.get("o"))

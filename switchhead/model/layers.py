@@ -187,7 +187,10 @@ class SwitchHeadAttention(AttentionBase):
 
     @property
     def _sel_o(self) -> Tensor | None:
-        return self.sel_o if self.sel_o is not None else self.sel_v
+        # Shared selection: V's matrix chooses O's and Q's experts too; with O and Q dense there is no choice.
+        if self.sel_o is not None or not (self.cfg.is_moe("o") or self.cfg.is_moe("q")):
+            return self.sel_o
+        return self.sel_v
 
     def _project(self, name: str, x_ND: Tensor, route: tuple[Tensor, Tensor] | None) -> Tensor:
         w = getattr(self, f"w_{name}")
@@ -198,8 +201,7 @@ class SwitchHeadAttention(AttentionBase):
     def route(self, x_ND: Tensor, side: str, batch: int = 1) -> tuple[Tensor, Tensor] | None:
         """(expert ids, gates) [N, H*k] for the source ('v') or destination ('o') side, or None if dense."""
         w = self.sel_v if side == "v" else self._sel_o
-        # `_sel_o` falls back to V's selection (shared selection), also when O and Q are dense: no choice then.
-        if w is None or not any(self.cfg.is_moe(p) for p in ("vk" if side == "v" else "oq")):
+        if w is None:
             return None
         idx, gate = select_topk(x_ND, w, self.cfg.n_heads, self.cfg.k)
         self._record_route(side, idx, gate, batch, self.cfg.n_heads, self.cfg.n_experts)
