@@ -62,6 +62,7 @@ class TransformerLM(nn.Module):
         self.out = nn.Linear(config.d_model, config.vocab_size)
         self.drop = nn.Dropout(config.dropout)
         self._aux: Tensor | None = None
+        self._sigma_moe = [m for m in self.modules() if isinstance(m, SigmaMoE)]  # found once, not per forward
 
     def forward(self, input_ids: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits [B, T, vocab] and the memory for the next chunk of the same streams.
@@ -125,7 +126,7 @@ class TransformerLM(nn.Module):
         return self._aux if self._aux is not None else self.out.bias.new_zeros(())
 
     def _aux_terms(self) -> Tensor | None:
-        terms = [m.last_aux for m in self.modules() if isinstance(m, SigmaMoE) and m.last_aux is not None]
+        terms = [m.last_aux for m in self._sigma_moe if m.last_aux is not None]
         return torch.stack(terms).sum() if terms else None
 
     def record_attention(self, on: bool = True) -> None:
