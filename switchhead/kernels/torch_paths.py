@@ -160,7 +160,7 @@ def gather_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None
     n, slots = index.shape
     in_per = slots // x.shape[1]
     experts = index.tolist()  # a handful of pairs: one vector-matrix product each, no weight copies
-    # (weight may be narrower than x: see `_wide_weight`)
+    # (weight may be narrower than x: see `_plan_call`)
     y = torch.stack([x[t, s // in_per] @ weight[experts[t][s]].to(x.dtype) for t in range(n) for s in range(slots)])
     return _reduce_slots(_gated(y.view(n, slots, -1).to(_acc_dtype(x)), gate), n_out).to(x.dtype)
 
@@ -450,9 +450,16 @@ def _widened(x: Tensor, widen: bool | None) -> bool:
     return widen if widen is not None else x.device.type == "cpu" and not native_half(x.dtype)
 
 
-def _wide_weight(weight: Tensor, regime: Regime) -> Tensor:
-    # gather converts just the few experts it reads; the other regimes read every expert, so convert once
-    return weight if regime == "gather" else weight.float()
+def _plan_call(x: Tensor, weight: Tensor, index: Tensor, n_out: int, backward: bool, regime: Regime | None,
+               widen: bool | None) -> tuple[Regime, bool, Tensor]:
+    """The regime, whether to compute in float32, and the weight to compute with (the gather regime converts just
+    the few experts it reads; the others read every expert, so it is converted once)."""
+    wide = _widened(x, widen)
+    regime = regime or choose_regime(
+        x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, backward,
+        dtype=torch.float32 if wide else x.dtype, bag=not wide and _bags(x, weight),
+    )
+    return regime, wide, weight.float() if wide and regime != "gather" else weight
 
 
 def forward(
@@ -464,14 +471,10 @@ def forward(
     regime: Regime | None = None,
     widen: bool | None = None,
 ) -> Tensor:
-    wide = _widened(x, widen)
-    dtype = torch.float32 if wide else x.dtype
-    regime = regime or choose_regime(
-        x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, dtype=dtype, bag=not wide and _bags(x, weight)
-    )
+    regime, wide, w = _plan_call(x, weight, index, n_out, False, regime, widen)
     if not wide:
-        return FORWARD[regime](x, weight, index, gate, n_out)
-    return FORWARD[regime](x.float(), _wide_weight(weight, regime), index, gate, n_out).to(x.dtype)
+        return FORWARD[regime](x, w, index, gate, n_out)
+    return FORWARD[regime](x.float(), w, index, gate, n_out).to(x.dtype)
 
 
 def backward(
@@ -484,12 +487,8 @@ def backward(
     regime: Regime | None = None,
     widen: bool | None = None,
 ) -> Grads:
-    wide = _widened(x, widen)
-    dtype = torch.float32 if wide else x.dtype
-    regime = regime or choose_regime(
-        x.shape[0], x.shape[1], index.shape[1], grad.shape[1], *weight.shape, True, dtype=dtype
-    )
+    regime, wide, w = _plan_call(x, weight, index, grad.shape[1], True, regime, widen)
     if not wide:
-        return BACKWARD[regime](grad, x, weight, index, gate, need_gate_grad)
-    gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), _wide_weight(weight, regime), index, gate, need_gate_grad)
+        return BACKWARD[regime](grad, x, w, index, gate, need_gate_grad)
+    gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), w, index, gate, need_gate_grad)
     return gx.to(x.dtype), gw.to(weight.dtype), gg if gate is not None else gg.to(x.dtype)
