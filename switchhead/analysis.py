@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError
 from switchhead.fileio import atomic_directory, check_output_dir, read_utf8
-from switchhead.model.lm import check_ids
+from switchhead.model.lm import check_ids, eval_mode
 from switchhead.model.tokenizer import vocab_mismatch
 from switchhead.runtime.sampling import check_utf8
 
@@ -129,13 +129,11 @@ def collect(model, ids: Sequence[int], layers: Sequence[int] | None = None) -> l
     device = next(model.parameters()).device
     ids_t = torch.as_tensor(list(ids), dtype=torch.long, device=device)[None]
     check_ids(ids_t, cfg.vocab_size)
-    was_training = model.training
-    model.eval()
     model.record_attention(True)
     chunks: list[ChunkTrace] = []
     memory = None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(model):
             for c, start in enumerate(range(0, ids_t.shape[1], cfg.chunk_len)):
                 _, memory = model(ids_t[:, start:start + cfg.chunk_len], memory)
                 chunk = None
@@ -150,7 +148,6 @@ def collect(model, ids: Sequence[int], layers: Sequence[int] | None = None) -> l
                 chunks.append(chunk)
     finally:
         model.record_attention(False)
-        model.train(was_training)
     return chunks
 
 

@@ -116,6 +116,17 @@ def test_only_sides_with_expert_projections_are_routed(projections):
     assert set(att.last_routes) == want
 
 
+def test_eval_mode_restores_every_submodule_s_own_mode():
+    from switchhead.model.lm import eval_mode
+
+    model = TransformerLM(PRESETS["tiny-switchhead"]).train()
+    model.blocks[0].eval()  # frozen by its trainer: stays in eval mode afterwards
+    before = [m.training for m in model.modules()]
+    with eval_mode(model):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == before and not all(before)
+
+
 def test_routing_gates_are_sigmoid_values_exactly_k_no_renormalisation():
     torch.manual_seed(1)
     x = torch.randn(10, 24)

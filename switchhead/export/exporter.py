@@ -31,7 +31,7 @@ from switchhead.export import schema
 from switchhead.fileio import atomic_directory, check_output_dir, holds_only
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
-from switchhead.model.lm import TransformerLM
+from switchhead.model.lm import TransformerLM, eval_mode
 from switchhead.model.tokenizer import vocab_mismatch
 
 MODEL_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.onnx", "layout.json", "config.json", "tokenizer.model"
@@ -192,7 +192,7 @@ def export_model(model: TransformerLM, dtype: str = "fp32", opset: int = 18) -> 
     registration_log = logging.getLogger("torch.onnx._internal.exporter._registration")
     # Traced without dropout, and the caller's model keeps its mode: exporting a checkpoint in the middle of
     # training must not switch the rest of that training's dropout off.
-    with _eval_mode(model), warnings.catch_warnings(), torch.no_grad(), \
+    with eval_mode(model), warnings.catch_warnings(), torch.no_grad(), \
             _log_level(registration_log, logging.ERROR):
         step = DecodeStep(model).eval()
         warnings.simplefilter("ignore")
@@ -346,18 +346,6 @@ def layout(cfg: ModelConfig, dtype: str, quantize: str | None) -> dict:
                          "memory (mem_chunks=1) or is dropped (mem_chunks=0) and a new chunk starts"),
         },
     }
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module):
-    # Module by module: a model being trained may hold submodules its trainer keeps in eval mode.
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -12,6 +13,22 @@ from torch import Tensor, nn
 from switchhead.errors import ConfigError, SwitchheadError
 from switchhead.model.config import ModelConfig
 from switchhead.model.layers import Block, SigmaMoE
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the duration, then every submodule's own mode back: inference, validation or
+    export of a model being trained must not switch its dropout off for good, nor on where its trainer froze it.
+    A model whose root is in eval mode is taken as wholly in eval mode (as `eval()` leaves it): then nothing is
+    done, not even a walk over the modules, which costs ~80 us per decode step on a small CPU."""
+    training = [m for m in model.modules() if m.training] if model.training else []
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
 
 
 def check_ids(ids: Tensor | Sequence[Sequence[int]], vocab_size: int, values: bool = True) -> None:

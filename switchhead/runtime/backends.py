@@ -21,7 +21,6 @@ Scoring (evaluation, perplexity) calls ``Backend.logits(ids, state)`` on whole r
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.config import ModelConfig
-from switchhead.model.lm import TransformerLM, check_batch
+from switchhead.model.lm import TransformerLM, check_batch, eval_mode
 from switchhead.runtime.cache import XLCache
 
 
@@ -70,7 +69,7 @@ class TorchBackend(Backend):
     def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
         # The model memoises its relative-position tables in inference, so every step after the first
         # reuses them.
-        with _eval_mode(self.model):
+        with eval_mode(self.model):
             return self.model.decode(ids.to(self.device), cache)
 
     @torch.inference_mode()
@@ -90,7 +89,7 @@ class TorchBackend(Backend):
             ids = torch.cat([pending, ids], 1)
         cut = ids.shape[1] // self.config.chunk_len * self.config.chunk_len
         parts = []
-        with _eval_mode(self.model):
+        with eval_mode(self.model):
             if cut:
                 whole, memory = self.model(ids[:, :cut], memory)
                 parts.append(whole)
@@ -98,17 +97,3 @@ class TorchBackend(Backend):
                 parts.append(self.model(ids[:, cut:], memory)[0])
         skip = 0 if pending is None else pending.shape[1]
         return torch.cat(parts, 1)[:, skip:], (memory, ids[:, cut:] if cut < ids.shape[1] else None)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module):
-    """Eval mode for the duration, the model's own mode after: a backend built on a model being trained must not
-    switch its dropout off for good."""
-    if not model.training:
-        yield
-        return
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train()

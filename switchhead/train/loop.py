@@ -27,7 +27,7 @@ from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
 from switchhead.model.config import ModelConfig, resolve_config
-from switchhead.model.lm import TransformerLM
+from switchhead.model.lm import TransformerLM, eval_mode
 from switchhead.model.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
 from switchhead.runtime.sampling import check_seed, seed_plus
 from switchhead.train.data import (
@@ -181,8 +181,6 @@ def evaluate(
     progress: str | None = None,
 ) -> dict[str, float]:
     """Per-token loss and perplexity over `stream`, chunk by chunk with XL memory (split across DDP ranks)."""
-    was_training = model.training
-    model.eval()
     rank, world = _rank(), _world()
     cfg = model.config
     lanes = range(rank, eval_lanes(n_lanes, len(stream), cfg.chunk_len), world)
@@ -191,14 +189,14 @@ def evaluate(
         with _autocast(device, amp_dtype):
             return model(x.to(device), memory)
 
-    nll, scored = stream_nll(logits, stream, n_lanes, cfg.chunk_len, lanes=list(lanes), progress=progress)
+    with eval_mode(model):
+        nll, scored = stream_nll(logits, stream, n_lanes, cfg.chunk_len, lanes=list(lanes), progress=progress)
     # A rank without lanes (more ranks than lanes) still joins the all-reduce, with zeros.
     nll = torch.zeros((), dtype=torch.float64, device=device) if nll is None else nll
     count = torch.tensor(float(scored), dtype=torch.float64, device=device)
     if _dist_on():
         dist.all_reduce(nll)
         dist.all_reduce(count)
-    model.train(was_training)
     loss = (nll / count).item()
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(count.item())}
 
