@@ -365,25 +365,27 @@ def gpu_table(
     cases: list[Case] = CASES,
     bench: Callable[[Callable], float] | None = None,
     gpu_time: Callable[[Callable], float] = kernel_ms,
+    segments: bool = False,
 ) -> list[str]:
     """Triton op vs one expert's matmul, forward and backward, fp16 and bf16, timed two ways: GPU time (`gpu_time`:
     the kernels' durations) and wall time per call (`bench`, default triton.testing.do_bench, which includes the
     host's launch overhead whenever the GPU finishes first). `device`, `cases` and the timers let the table run on
-    the CPU with TRITON_INTERPRET=1 and tiny cases, which checks this code without a GPU (timings meaningless)."""
+    the CPU with TRITON_INTERPRET=1 and tiny cases, which checks this code without a GPU (timings meaningless).
+    `segments`: a third column pair, the forward with the tiled kernel over segments (`SEGMENT_FORWARD`)."""
     if bench is None:
         from triton.testing import do_bench as bench
 
-    lines = _table(
-        "| case | dtype | N | GPU fwd ms op | cuBLAS | % | GPU bwd ms op | cuBLAS | % "
-        "| wall fwd ms op | cuBLAS | % | wall bwd ms op | cuBLAS | % |"
-    )
+    steps = ["fwd", "bwd"] + (["fwd segments"] if segments else [])
+    lines = _table("| case | dtype | N | " + " | ".join(
+        f"{timer} {step} ms op | cuBLAS | %" for timer in ("GPU", "wall") for step in steps
+    ) + " |")  # fmt: skip
     saved = os.environ.get("SWITCHHEAD_KERNEL")
     os.environ["SWITCHHEAD_KERNEL"] = "triton"
     try:
         for dtype in (torch.float16, torch.bfloat16):
             for case in cases:
                 for n in ns:
-                    _add_row(lines, _gpu_row(case, n, dtype, device, bench, gpu_time))
+                    _add_row(lines, _gpu_row(case, n, dtype, device, bench, gpu_time, segments))
     finally:
         if saved is None:
             del os.environ["SWITCHHEAD_KERNEL"]
@@ -393,7 +395,13 @@ def gpu_table(
 
 
 def _gpu_row(
-    case: Case, n: int, dtype: torch.dtype, device: str, bench: Callable[[Callable], float], gpu_time: Callable
+    case: Case,
+    n: int,
+    dtype: torch.dtype,
+    device: str,
+    bench: Callable[[Callable], float],
+    gpu_time: Callable,
+    segments: bool = False,
 ) -> str:
     x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
     grads = [x, w] + ([gate] if gate is not None else [])
@@ -407,12 +415,29 @@ def _gpu_row(
         (_call(expert_projection, x, w, index, gate, case.n_out), _call(_matmul, xd, wd)),
         (_call(torch.autograd.grad, out, grads, go, True), _call(torch.autograd.grad, dense, [xd, wd], gd, True)),
     ]
+    if segments:
+        pairs.append((_with_segments(_call(expert_projection, x, w, index, gate, case.n_out)), pairs[0][1]))
     cells = []
     for timer in (gpu_time, bench):
         for op, mm in pairs:
             t_op, t_mm = timer(op), timer(mm)
             cells.append(f"{t_op:.4f} | {t_mm:.4f} | {100 * t_mm / t_op:.0f}%")
     return f"| {case.name} | {str(dtype)[6:]} | {n} | " + " | ".join(cells) + " |"
+
+
+def _with_segments(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` run with the Triton forward over segments switched on."""
+    from switchhead.kernels import triton_kernels
+
+    def run() -> object:
+        tk = triton_kernels.load()
+        saved, tk.SEGMENT_FORWARD = tk.SEGMENT_FORWARD, True
+        try:
+            return fn()
+        finally:
+            tk.SEGMENT_FORWARD = saved
+
+    return run
 
 
 def main() -> None:
@@ -439,6 +464,9 @@ def main() -> None:
     )
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--segments", action="store_true", help="GPU table: also the Triton forward over segments (SEGMENT_FORWARD)"
+    )
     args = parser.parse_args()
     if args.against and not args.regimes:
         parser.error("--against needs --regimes (it times named regimes beside their old code)")
@@ -475,7 +503,7 @@ def main() -> None:
         cpu_table(args.n, 5 if args.quick else 15, getattr(torch, args.dtype))
     if torch.cuda.is_available():
         print(f"\n## GPU ({torch.cuda.get_device_name()})\n")
-        gpu_table([1, 256, 4096, 16384])
+        gpu_table([1, 256, 4096, 16384], segments=args.segments)
     else:
         print("\n(no CUDA device: GPU part not run)")
 

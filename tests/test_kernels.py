@@ -20,8 +20,11 @@ from switchhead.errors import SwitchheadError
 from switchhead.kernels import expert_projection, reference, torch_paths
 from switchhead.kernels.ops import KernelBackendError
 
-if sys.platform != "linux":
-    pytest.importorskip("triton")
+# Imported here, before any test sets TRITON_INTERPRET=1: triton.jit reads the variable when it decorates, also
+# triton.language's own helpers, which the sm_90 builds below need as compiled-mode functions (imported first under
+# the interpreter, they failed to build whenever an interpreter test ran first in a process that had not imported
+# triton yet). Not installed off Linux: the file is skipped there.
+pytest.importorskip("triton")
 
 # Where the op tests put their tensors: "cpu" (Triton through its interpreter) or "cuda" (compiled kernels).
 DEVICE = os.environ.get("SWITCHHEAD_TEST_DEVICE", "cpu")
@@ -245,6 +248,70 @@ def test_triton_half(shape, dtype, backend):
     assert [t.dtype for t in got[:3]] == [dtype] * 3
     assert got[3].dtype == torch.float32  # the gate stays fp32 (the model routes in fp32)
     assert_matches(got, naive_all(shape, exact), dtype)
+
+
+# Shapes whose segments (slots sharing an input and an output row) are longer than one slot, above the gather
+# kernel's token count: V-like (a row per head: stores), O-like (rows shared by the heads: atomics), repeated and
+# single experts, no gates, input rows wide enough to stay unpadded, few sets (counting sort) and many (torch.sort).
+SEGMENT_SHAPES = [
+    SHAPES[4],  # O: 3 slots per segment, 8 experts: 120 sets
+    SHAPES[5],  # V, every pair on one expert
+    SHAPES[10],  # 2 experts, segments of 2: 3 sets
+    SHAPES[11],  # V without gates
+    Shape(26, 1, 4, 2, 3, 259, 10, routing="some_empty"),  # unpadded 259-wide rows, experts 0 and 2 only
+    Shape(9, 2, 4, 1, 2, 16, 33),  # just above the gather kernel's tokens
+]
+
+
+def _spy_segments(monkeypatch, tk) -> list[int]:
+    """Calls of the segment forward (how many), so a test can tell that it ran at all."""
+    calls: list[int] = []
+    monkeypatch.setattr(tk, "_segment_matmul", lambda *a, _f=tk._segment_matmul: calls.append(1) or _f(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SEGMENT_SHAPES, ids=str)
+def test_triton_segment_forward_matches_naive_loop(shape, dtype, backend, monkeypatch):
+    backend("triton")
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    monkeypatch.setattr(tk, "SEGMENT_FORWARD", True)
+    calls = _spy_segments(monkeypatch, tk)
+    exact, cast = make(shape, dtype)
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
+    assert calls == [1]
+
+
+def test_triton_segment_forward_under_determinism(backend, monkeypatch):
+    """Deterministic algorithms: V-like segments own their output rows and keep the segment forward; O-like ones
+    would add with atomics, so the pair kernel's one row per pair takes over."""
+    backend("triton")
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    monkeypatch.setattr(tk, "SEGMENT_FORWARD", True)
+    calls = _spy_segments(monkeypatch, tk)
+    with deterministic_algorithms(True):
+        for shape, segments in ((SHAPES[11], 1), (SEGMENT_SHAPES[-1], 0)):
+            exact, cast = make(shape)
+            before = len(calls)
+            assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.float32)
+            assert len(calls) - before == segments, shape
+
+
+@pytest.mark.parametrize("n_experts, seg", [(1, 2), (3, 4), (10, 3), (16, 2)])
+def test_segment_sets_are_ranked_densely(n_experts, seg):
+    """Every multiset of `seg` experts (ascending) gets its own rank in [0, number of multisets)."""
+    from itertools import combinations_with_replacement
+
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    sets = torch.tensor(list(combinations_with_replacement(range(n_experts), seg)))
+    assert len(sets) == tk._segment_sets(n_experts, seg)
+    assert sorted(tk._multiset_rank(sets).tolist()) == list(range(len(sets)))
 
 
 def _split_weight_grad(monkeypatch, shape: Shape) -> None:
@@ -562,6 +629,29 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
                 assert build.atomics == (), (launch.kernel, config, build)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-ieee"])
+def test_triton_segment_forward_builds_for_sm90_pipelined_without_spills(dtype, monkeypatch):
+    """The forward over segments, built for sm_90 with every config the tuner would try, for the 47M model's
+    O (76 -> 412, output rows shared by two heads: atomics) and V (412 -> 76, a row per head: plain stores)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    monkeypatch.setattr(triton_kernels.load(), "SEGMENT_FORWARD", True)
+    _, o = make(Shape(40, 2, 6, 1, 10, 76, 412), dtype)
+    _, v = make(Shape(40, 1, 6, 2, 10, 412, 76), dtype)
+    forwards = [gpu_build.launches(*o[:4], 1)[0], gpu_build.launches(*v[:4], 2)[0]]
+    assert [launch.kernel for launch in forwards] == ["_segment_matmul_kernel"] * 2  # 220 sets: torch.sort
+    assert [launch.kwargs["ATOMIC"] for launch in forwards] == [True, False]
+    for launch in forwards:
+        for config in gpu_build.configs(launch):
+            build = gpu_build.build(launch, config)
+            assert build.stack_bytes == 0 and build.async_copies and build.copies_in_flight, (config, build)
+            assert build.tensor_cores or dtype == torch.float32, build
+            assert build.mma_in_flight is not False, (config, build)
+            atomic = launch.kwargs["ATOMIC"]
+            assert all(".relaxed.add." in a for a in build.atomics) and bool(build.atomics) == atomic, build
+
+
 def test_triton_builds_for_sm100_use_the_tensor_cores(monkeypatch):
     """Blackwell's tensor-core instruction (tcgen05.mma) is neither mma.sync nor wgmma: the build report knows it."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -599,23 +689,31 @@ def _time_once(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
+@pytest.mark.parametrize("segments", [False, True], ids=["pairs", "segments"])
+def test_gpu_benchmark_table_runs_under_the_interpreter(segments, backend, monkeypatch):
     """benchmarks/kernels.py's GPU table, run on the CPU (Triton interpreter, tiny cases, one timed call per
     cell): its code keeps working where no GPU is, so that it runs unchanged when one is there."""
     backend("triton")
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    launched = []
+    monkeypatch.setattr(tk, "_segment_matmul", lambda *a, _f=tk._segment_matmul: launched.append(1) or _f(*a))
     bench_module = _benchmark_module()
     once = _time_once
     Case = bench_module.Case
     cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
-    lines = bench_module.gpu_table([1, 9], device=DEVICE, cases=cases, bench=once, gpu_time=once)  # N = 9: tiled
+    lines = bench_module.gpu_table([1, 9], DEVICE, cases, once, once, segments)  # N = 9: tiled
     assert os.environ["SWITCHHEAD_KERNEL"] == "triton"  # what the fixture set, restored
+    assert not tk.SEGMENT_FORWARD and bool(launched) == segments  # the segment column ran them, and only it
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), r[1].strip(), int(r[2])) for r in rows] == [
         (c.name, d, n) for d in ("float16", "bfloat16") for c in cases for n in (1, 9)
     ]
+    cells = 6 if segments else 4  # op ms, cuBLAS ms, % for GPU/wall x fwd/bwd[/fwd segments]
     for r in rows:
-        assert len(r) == 15, r
-        for first in (3, 6, 9, 12):  # op ms, cuBLAS ms, % for GPU/wall x fwd/bwd
+        assert len(r) == 3 + 3 * cells, r
+        for first in range(3, 3 + 3 * cells, 3):
             assert float(r[first]) > 0 and float(r[first + 1]) > 0 and r[first + 2].strip().endswith("%"), r
 
 

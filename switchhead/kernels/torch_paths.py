@@ -116,7 +116,7 @@ def choose_regime(
 
 def _combo_pays(n: int, n_in: int, slots: int, n_out: int, n_experts: int) -> bool:
     """Segments of several slots, and every expert set a head can choose expected to hold enough of them."""
-    seg = _segment(slots, n_in, n_out)
+    seg = segment_length(slots, n_in, n_out)
     sets = math.comb(max(seg, round(n_experts * seg / slots)), seg)
     return seg > 1 and n >= COMBO_MIN_SEGMENTS_PER_SET * sets
 
@@ -311,7 +311,7 @@ class _Plan(NamedTuple):
     blocks: list[tuple[list[int], slice]]  # (the segment's experts, slice of the sorted segments)
 
 
-def _segment(slots: int, n_in: int, n_out: int) -> int:
+def segment_length(slots: int, n_in: int, n_out: int) -> int:
     """Length of the runs of consecutive slots that share both their input and their output row."""
     return math.gcd(slots // n_in, slots // n_out)
 
@@ -426,13 +426,13 @@ def grouped_backward(
 
 
 def combo_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
-    return _segments_forward(x, weight, index, gate, n_out, _segment(index.shape[1], x.shape[1], n_out))
+    return _segments_forward(x, weight, index, gate, n_out, segment_length(index.shape[1], x.shape[1], n_out))
 
 
 def combo_backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
 ) -> Grads:
-    seg = _segment(index.shape[1], x.shape[1], grad.shape[1])
+    seg = segment_length(index.shape[1], x.shape[1], grad.shape[1])
     return _segments_backward(grad, x, weight, index, gate, need_gate_grad, seg)
 
 
