@@ -163,8 +163,8 @@ def info(config_spec, ckpt, as_json):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Autocast dtype; default: bfloat16 on GPUs that support it (float16 with a grad scaler on "
                    "older ones), float32 on the CPU.")
-@click.option("--cache-dir", type=PATH, help="Token cache (default $SWITCHHEAD_CACHE or "
-              "~/.cache/switchhead/tokens).")
+@click.option("--cache-dir", type=PATH, help="Token cache (default $SWITCHHEAD_CACHE, else "
+              "$XDG_CACHE_HOME/switchhead/tokens, ~/.cache/switchhead/tokens without it).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.pass_context
 def train(ctx, **params):
@@ -244,7 +244,9 @@ def train(ctx, **params):
               "writes JSONL.")
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Prompts decoded together.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: text, token count, speeds.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, cuda, cuda:1, ... for a PyTorch model (--ckpt or the built-in one); an --onnx export "
+                   "runs on ONNX Runtime's CUDA provider when usable, else on the CPU.")
 @click.option("--threads", type=int, help="CPU threads for torch, or ONNX Runtime with --onnx (default: their "
               "choice; 1 is often faster for small models or on a busy machine).")
 def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
@@ -283,7 +285,8 @@ def generate(prompt, ckpt, onnx_dir, max_new_tokens, temperature, top_k, top_p, 
               help="Sequences per forward pass (for --text: the lanes each file is cut into).")
 @click.option("--output", type=PATH,
               help="Write lm-eval's results JSON here (replacing an existing file only if it is earlier results).")
-@click.option("--device", help="cpu, cuda, ...; default cpu.")
+@click.option("--device", help="cpu, cuda, ...; default cpu. For a PyTorch model (--ckpt or the built-in one); an "
+              "--onnx export runs on ONNX Runtime's CUDA provider when usable, else on the CPU.")
 @click.option("--threads", type=int, default=1, show_default=True, help="CPU threads for the forward passes: "
               "evaluation is many small forwards, where more threads mostly add synchronisation (and thrash "
               "on shared cores).")
@@ -299,10 +302,7 @@ def eval_(tasks, texts, unwrap, ckpt, onnx, data_dir, limit, batch_size, output,
     names = parse_tasks(tasks) if tasks is not None else None
     if ckpt is not None and onnx is not None:
         raise SwitchheadError("give --ckpt DIR or --onnx DIR, not both")
-    if ckpt is None and onnx is None:
-        from switchhead.model.checkpoint import resolve_checkpoint
-
-        ckpt = str(resolve_checkpoint(None))
+    # Neither: evaluate() uses the built-in model, and records it as such.
     results = evaluate(names, texts=list(texts), ckpt=ckpt, onnx=onnx, data_dir=data_dir, limit=limit,
                        batch_size=batch_size, output=output, progress=not no_progress, device=device, threads=threads,
                        unwrap=unwrap)
@@ -374,7 +374,9 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize):
               help="Longer prompts are refused with 400.")
 @click.option("--max-tokens", type=int, default=2048, show_default=True, help="Largest max_tokens accepted.")
 @click.option("--model-name", help="Model id in the API (default: the checkpoint directory's name).")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, cuda, cuda:1, ... for a PyTorch model (--ckpt or the built-in one); an --onnx export "
+                   "runs on ONNX Runtime's CUDA provider when usable, else on the CPU.")
 @click.option("--threads", type=int, help="CPU threads for torch, or ONNX Runtime with --onnx (default: their "
               "choice).")
 def serve(ckpt, onnx_dir, host, port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens, model_name,

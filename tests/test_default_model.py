@@ -48,3 +48,13 @@ def test_inspect_without_checkpoint_uses_the_default_model(tmp_path):
                                   "--heads", "0"])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o" / "index.html").is_file()
+
+
+def test_eval_without_checkpoint_records_the_default_model(tmp_path):
+    (tmp_path / "held.txt").write_text("The cat sat on the mat. The dog lay by the door.\n")
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(main, ["eval", "--text", str(tmp_path / "held.txt"), "--output", str(out), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    results = json.loads(out.read_text())
+    assert results["switchhead"]["builtin_model"] is True
+    assert results["config"]["model_args"] == "ckpt=<built-in model>"

@@ -269,6 +269,7 @@ def test_cli_text_errors(env, tmp_path):
         (("--text", str(tmp_path / "latin1.txt")), "not valid UTF-8"),
         (("--text", str(tmp_path / "empty.txt"), "--batch-size", "0"), "batch size"),
         (("--text", str(tmp_path / "empty.txt"), "--limit", "5"), "--limit applies to --tasks, and no task was"),
+        (("--text", str(tmp_path / "empty.txt"), "--data-dir", str(tmp_path)), "--data-dir applies to --tasks, and no"),
         (("--tasks", "lambada", "--unwrap"), "--unwrap applies to --text files, and none was given"),
     ]:
         r = run_cli(*args, "--ckpt", str(ckpt))

@@ -52,11 +52,11 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
              limit: int | None = None, batch_size: int = 64, output: str | Path | None = None, progress: bool = True,
              bootstrap_iters: int = 0, device: str | None = None, threads: int | None = None,
              unwrap: bool = False) -> dict:
-    """Evaluate on the named tasks (lambada, blimp, cbt) and the perplexity of each of `texts` (`text.py`; lanes
-    = `batch_size`); returns lm-eval's results dict, with the text rows under "text" (also written to `output`
-    as JSON when given; `unwrap` reads the texts as `train --unwrap` does). Inputs are validated before anything
-    slow happens. `threads` sets torch's intra-op CPU threads for the process, and ONNX Runtime's for an export
-    (None: leave as is)."""
+    """Evaluate a checkpoint, an ONNX export or a model object (none of them: the built-in model) on the named
+    tasks (lambada, blimp, cbt) and the perplexity of each of `texts` (`text.py`; lanes = `batch_size`); returns
+    lm-eval's results dict, with the text rows under "text" (also written to `output` as JSON when given; `unwrap`
+    reads the texts as `train --unwrap` does). Inputs are validated before anything slow happens. `threads` sets
+    torch's intra-op CPU threads for the process, and ONNX Runtime's for an export (None: leave as is)."""
     texts = list(texts or [])
     names = parse_tasks(tasks) if tasks or not texts else []
     if limit is not None and (not is_int(limit) or limit < 1):
@@ -66,6 +66,8 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
         raise SwitchheadError("--limit applies to --tasks, and no task was given")
     if unwrap and not texts:
         raise SwitchheadError("--unwrap applies to --text files, and none was given")
+    if data_dir is not None and not names:
+        raise SwitchheadError("--data-dir applies to --tasks, and no task was given")
     if not is_int(batch_size) or batch_size < 1:
         raise SwitchheadError(f"the batch size (--batch-size) must be a positive integer, got {batch_size!r}")
     if texts:
@@ -77,6 +79,11 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
         data.use_local_data()  # before lm_eval imports `datasets`
     elif names and not data.hub_reachable():
         raise SwitchheadError(f"no --data-dir given and the Hugging Face hub is unreachable; {data.LAYOUT_HELP}")
+    builtin = ckpt is None and onnx is None and model is None
+    if builtin:
+        from switchhead.model.checkpoint import resolve_checkpoint
+
+        ckpt = str(resolve_checkpoint(None))
     if ckpt is not None and not Path(ckpt).is_dir():
         raise SwitchheadError(f"checkpoint directory not found: {ckpt}")
     if device is not None:
@@ -115,10 +122,10 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
 
         results["text"] = text_perplexity(lm.backend, lm.tokenizer, texts, batch_size, progress, unwrap=unwrap)
     # What was evaluated and how: lm-eval records nothing of a model passed as an object.
-    results["config"].update(model="switchhead", model_args=_model_args(ckpt, onnx, model), batch_size=batch_size,
-                             limit=limit)
+    results["config"].update(model="switchhead", model_args=_model_args(None if builtin else ckpt, onnx, model),
+                             batch_size=batch_size, limit=limit)
     results["switchhead"] = {"ckpt": None if ckpt is None else str(ckpt), "onnx": None if onnx is None else str(onnx),
-                             "builtin_model": ckpt is None and onnx is None and model is None,
+                             "builtin_model": builtin,
                              "batch_size": batch_size, "limit": limit, "unwrap": unwrap, "device": device}
     if output is not None:
         write_atomic(output, json.dumps(results, indent=2, default=_jsonable))
