@@ -365,6 +365,38 @@ def test_long_context_loglikelihood_equals_chunked_forward(env, lm):
     assert got[0][0] == pytest.approx(float(lp[-n:].sum()), abs=1e-4)
 
 
+def test_scores_do_not_depend_on_batching_order_or_window(env, lm, monkeypatch):
+    """Token sequences ending just before, at and after chunk boundaries (T = 16), continuations of one token
+    and empty ones: each score equals the forward's own log-softmax sum whatever the batch size, the order of the
+    requests and the window a forward call covers (down to one chunk)."""
+    import switchhead.evals.lm as eval_lm
+    from switchhead.evals import SwitchheadLM
+
+    _, _, model, sp = env
+    T, g = model.config.chunk_len, torch.Generator().manual_seed(11)
+    seqs = []
+    for n, n_ctx in [(2, 1), (T, 1), (T, T - 1), (T + 1, T), (T + 1, T + 1), (2 * T, 5), (2 * T + 1, 2 * T),
+                     (3 * T + 2, T), (4 * T, 4 * T - 1)]:
+        seqs.append(([sp.eos_id()] + torch.randint(2, sp.get_piece_size(), (n - 1,), generator=g).tolist(), n_ctx))
+    want = []
+    for ids, n_ctx in seqs:
+        if len(ids) <= n_ctx:
+            want.append((0.0, True))
+            continue
+        lp, hit = token_logprobs(model, ids)
+        want.append((float(lp[n_ctx - 1:].sum()), bool(hit[n_ctx - 1:].all())))
+    for budget in (eval_lm._LOGITS_BUDGET, 1):
+        monkeypatch.setattr(eval_lm, "_LOGITS_BUDGET", budget)
+        for batch_size in (1, 4, 64):
+            scorer = SwitchheadLM(model=model, tokenizer=sp, batch_size=batch_size, progress=False)
+            order = list(range(len(seqs)))
+            random.Random(batch_size).shuffle(order)
+            got = dict(zip(order, scorer.score([seqs[i] for i in order])))
+            for i, (ll, greedy) in enumerate(want):
+                assert got[i][0] == pytest.approx(ll, abs=1e-4), (budget, batch_size, seqs[i][1])
+                assert got[i][1] == greedy, (budget, batch_size, seqs[i][1])
+
+
 def test_empty_context_and_rolling(env, lm):
     _, _, model, sp = env
     text = passage(random.Random(9), 8)

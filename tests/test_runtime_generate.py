@@ -162,6 +162,29 @@ def test_greedy_with_bias_and_penalties_matches_a_naive_loop(gen, model, sp):
         assert gen.generate_ids([prompt], replace(p, **off))[0].tokens != a.tokens, off
 
 
+@pytest.mark.parametrize("prefill_step", [None, 1, 3, 16])
+def test_greedy_does_not_depend_on_prefill_step_chunk_phase_or_batch(model, sp, prefill_step):
+    """Primed prompts of 1, T - 1, T, T + 1 and 2T tokens (T = 16), prefilled in steps of any size, alone and
+    batched together: each row's greedy tokens are the argmax of the plain forward over everything so far, and
+    generation crosses the next chunk boundary."""
+    T, n_new = model.config.chunk_len, 18
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, sp.get_piece_size(), (n - 1,), generator=g).tolist()
+               for n in (1, T - 1, T, T + 1, 2 * T)]  # the EOS prime makes them n tokens
+    gen = Generator(TorchBackend(model), sp, prefill_step=prefill_step)
+    p = SamplingParams(temperature=0, max_new_tokens=n_new)
+    together = gen.generate_ids(prompts, p)
+    for prompt, row in zip(prompts, together):
+        ids, want = [sp.eos_id()] + prompt, []
+        for _ in range(n_new):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids]))[0][0, -1].masked_fill(gen.banned, float("-inf"))
+            want.append(int(logits.argmax()))
+            ids.append(want[-1])
+        assert row.tokens == want, len(prompt)
+        assert gen.generate_ids([prompt], p)[0].tokens == want, len(prompt)
+
+
 def test_seed_reproduces_and_changes_text(gen):
     p = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=20, seed=7)
     assert gen.generate(["birds"], p)[0].text == gen.generate(["birds"], p)[0].text
