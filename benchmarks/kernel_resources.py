@@ -4,7 +4,7 @@
     python benchmarks/kernel_resources.py --configs    # one row per autotune config
     python benchmarks/kernel_resources.py --align 1    # the same without padding rows to 16 elements
     python benchmarks/kernel_resources.py --every-tile # every precision with every tile, not just its own
-    python benchmarks/kernel_resources.py --segments   # the forward over segments (SEGMENT_FORWARD) instead
+    python benchmarks/kernel_resources.py --segments   # the kernels over segments (SEGMENTS) where they apply
 
 For each shape of `benchmarks/kernels.py` it records the launches of one forward and backward of the Triton op
 (N = 4096 tokens; N = 1 for the decode gather kernel), builds each with every autotune config the tuner would
@@ -41,7 +41,7 @@ STEP = {  # what each launch of a kernel computes, in launch order (None: the sa
     "_count_pairs_kernel": ["sort (count)", None],
     "_place_pairs_kernel": ["sort (place)", None],
     "_grouped_matmul_kernel": ["forward", "grad_x"],
-    "_segment_matmul_kernel": ["forward (segments)"],
+    "_segment_matmul_kernel": ["forward (segments)", "grad_x (segments)"],
     "_weight_grad_kernel": ["grad_w"],
     "_gather_kernel": ["decode"],
 }
@@ -53,8 +53,6 @@ def _launches(case, dtype, allow_tf32: bool) -> list[tuple[str, gpu_build.Launch
         x, w, index, gate = make_inputs(case, n, dtype, "cpu")
         seen = defaultdict(int)
         for launch in gpu_build.launches(x, w, index, gate, case.n_out, allow_tf32):
-            if launch.kernel == "_grouped_matmul_kernel" and seen["_segment_matmul_kernel"]:
-                seen[launch.kernel] = max(seen[launch.kernel], 1)  # the forward ran over segments: this is grad_x
             step = STEP[launch.kernel][seen[launch.kernel]]
             seen[launch.kernel] += 1
             if step is not None and (step == "decode") == (n == 1):
@@ -68,10 +66,10 @@ def main() -> None:
     parser.add_argument("--align", type=int, default=triton_kernels.ALIGN, help="pad rows to this many elements")
     parser.add_argument("--every-tile", action="store_true", help="skip the autotuner's per-precision pruning")
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--segments", action="store_true", help="the forward over segments where it applies")
+    parser.add_argument("--segments", action="store_true", help="the kernels over segments where they apply")
     args = parser.parse_args()
     triton_kernels.ALIGN = args.align
-    triton_kernels.SEGMENT_FORWARD = args.segments
+    triton_kernels.SEGMENTS = args.segments
 
     jobs = []
     for precision, (dtype, tf32) in PRECISIONS.items():

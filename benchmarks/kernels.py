@@ -371,11 +371,11 @@ def gpu_table(
     the kernels' durations) and wall time per call (`bench`, default triton.testing.do_bench, which includes the
     host's launch overhead whenever the GPU finishes first). `device`, `cases` and the timers let the table run on
     the CPU with TRITON_INTERPRET=1 and tiny cases, which checks this code without a GPU (timings meaningless).
-    `segments`: a third column pair, the forward with the tiled kernel over segments (`SEGMENT_FORWARD`)."""
+    `segments`: also forward and backward with the tiled kernels over segments (`SEGMENTS`)."""
     if bench is None:
         from triton.testing import do_bench as bench
 
-    steps = ["fwd", "bwd"] + (["fwd segments"] if segments else [])
+    steps = ["fwd", "bwd"] + (["fwd segments", "bwd segments"] if segments else [])
     lines = _table("| case | dtype | N | " + " | ".join(
         f"{timer} {step} ms op | cuBLAS | %" for timer in ("GPU", "wall") for step in steps
     ) + " |")  # fmt: skip
@@ -416,7 +416,7 @@ def _gpu_row(
         (_call(torch.autograd.grad, out, grads, go, True), _call(torch.autograd.grad, dense, [xd, wd], gd, True)),
     ]
     if segments:
-        pairs.append((_with_segments(_call(expert_projection, x, w, index, gate, case.n_out)), pairs[0][1]))
+        pairs += [(_with_segments(op), mm) for op, mm in pairs]
     cells = []
     for timer in (gpu_time, bench):
         for op, mm in pairs:
@@ -426,16 +426,16 @@ def _gpu_row(
 
 
 def _with_segments(fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` run with the Triton forward over segments switched on."""
+    """`fn` run with the Triton kernels over segments switched on."""
     from switchhead.kernels import triton_kernels
 
     def run() -> object:
         tk = triton_kernels.load()
-        saved, tk.SEGMENT_FORWARD = tk.SEGMENT_FORWARD, True
+        saved, tk.SEGMENTS = tk.SEGMENTS, True
         try:
             return fn()
         finally:
-            tk.SEGMENT_FORWARD = saved
+            tk.SEGMENTS = saved
 
     return run
 
@@ -465,7 +465,7 @@ def main() -> None:
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(
-        "--segments", action="store_true", help="GPU table: also the Triton forward over segments (SEGMENT_FORWARD)"
+        "--segments", action="store_true", help="GPU table: also the Triton kernels over segments (SEGMENTS)"
     )
     args = parser.parse_args()
     if args.against and not args.regimes:

@@ -263,42 +263,54 @@ SEGMENT_SHAPES = [
 ]
 
 
-def _spy_segments(monkeypatch, tk) -> list[int]:
-    """Calls of the segment forward (how many), so a test can tell that it ran at all."""
-    calls: list[int] = []
-    monkeypatch.setattr(tk, "_segment_matmul", lambda *a, _f=tk._segment_matmul: calls.append(1) or _f(*a))
+def _spy_segments(monkeypatch, tk) -> list[str]:
+    """What the segment kernel ran ("forward", "grad_x"), so a test can tell that it ran at all."""
+    calls: list[str] = []
+
+    def spy(*args, _f=tk._segment_matmul):
+        calls.append("grad_x" if args[3] else "forward")  # transpose_weight
+        return _f(*args)
+
+    monkeypatch.setattr(tk, "_segment_matmul", spy)
     return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", SEGMENT_SHAPES, ids=str)
-def test_triton_segment_forward_matches_naive_loop(shape, dtype, backend, monkeypatch):
+def test_triton_segment_kernels_match_naive_loop(shape, dtype, backend, monkeypatch):
     backend("triton")
     from switchhead.kernels import triton_kernels
 
     tk = triton_kernels.load()
-    monkeypatch.setattr(tk, "SEGMENT_FORWARD", True)
+    monkeypatch.setattr(tk, "SEGMENTS", True)
     calls = _spy_segments(monkeypatch, tk)
     exact, cast = make(shape, dtype)
-    assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
-    assert calls == [1]
+    want = naive_all(shape, exact)
+    assert_matches(via_op(shape, cast), want, dtype)
+    assert calls == ["forward", "grad_x"]
+    if shape.gated:  # a gate that needs no gradient: grad_x without the gate-gradient epilogue
+        x, w = (t.to(DEVICE, copy=True).requires_grad_() for t in cast[:2])
+        index, gate, grad = on_device(cast[2:])
+        got = torch.autograd.grad(expert_projection(x, w, index, gate, shape.n_out), [x, w], grad)
+        assert_matches([t.cpu() for t in got], want[1:3], dtype)
 
 
-def test_triton_segment_forward_under_determinism(backend, monkeypatch):
-    """Deterministic algorithms: V-like segments own their output rows and keep the segment forward; O-like ones
-    would add with atomics, so the pair kernel's one row per pair takes over."""
+def test_triton_segment_kernels_under_determinism(backend, monkeypatch):
+    """Deterministic algorithms: a product whose segments own the rows they write keeps the segment kernel; one
+    that would add into shared rows with atomics falls back to the pair kernel's one row per pair."""
     backend("triton")
     from switchhead.kernels import triton_kernels
 
     tk = triton_kernels.load()
-    monkeypatch.setattr(tk, "SEGMENT_FORWARD", True)
+    monkeypatch.setattr(tk, "SEGMENTS", True)
     calls = _spy_segments(monkeypatch, tk)
     with deterministic_algorithms(True):
-        for shape, segments in ((SHAPES[11], 1), (SEGMENT_SHAPES[-1], 0)):
+        # V: output rows per head, input rows shared by the heads; O: the other way round
+        for shape, segments in ((SHAPES[11], ["forward"]), (SEGMENT_SHAPES[-1], ["grad_x"])):
             exact, cast = make(shape)
-            before = len(calls)
+            calls.clear()
             assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.float32)
-            assert len(calls) - before == segments, shape
+            assert calls == segments, shape
 
 
 @pytest.mark.parametrize("n_experts, seg", [(1, 2), (3, 4), (10, 3), (16, 2)])
@@ -630,19 +642,26 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-ieee"])
-def test_triton_segment_forward_builds_for_sm90_pipelined_without_spills(dtype, monkeypatch):
-    """The forward over segments, built for sm_90 with every config the tuner would try, for the 47M model's
-    O (76 -> 412, output rows shared by two heads: atomics) and V (412 -> 76, a row per head: plain stores)."""
+def test_triton_segment_kernels_build_for_sm90_pipelined_without_spills(dtype, monkeypatch):
+    """The forward and grad_x over segments, built for sm_90 with every config the tuner would try, for the 47M
+    model's O (76 -> 412: output rows shared by two heads, atomics; input rows a head's own, stores) and V
+    (412 -> 76: the other way round); grad_x with the gate-gradient epilogue."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from switchhead.kernels import gpu_build, triton_kernels
 
-    monkeypatch.setattr(triton_kernels.load(), "SEGMENT_FORWARD", True)
+    monkeypatch.setattr(triton_kernels.load(), "SEGMENTS", True)
     _, o = make(Shape(40, 2, 6, 1, 10, 76, 412), dtype)
     _, v = make(Shape(40, 1, 6, 2, 10, 412, 76), dtype)
-    forwards = [gpu_build.launches(*o[:4], 1)[0], gpu_build.launches(*v[:4], 2)[0]]
-    assert [launch.kernel for launch in forwards] == ["_segment_matmul_kernel"] * 2  # 220 sets: torch.sort
-    assert [launch.kwargs["ATOMIC"] for launch in forwards] == [True, False]
-    for launch in forwards:
+    launches = [
+        launch
+        for inputs, n_out in ((o, 1), (v, 2))
+        for launch in gpu_build.launches(*inputs[:4], n_out)
+        if launch.kernel == "_segment_matmul_kernel"
+    ]
+    assert [(launch.kwargs["ATOMIC"], launch.kwargs["GATE_GRAD"]) for launch in launches] == [
+        (True, False), (False, True), (False, False), (True, True)  # O forward, O grad_x, V forward, V grad_x
+    ]  # fmt: skip
+    for launch in launches:
         for config in gpu_build.configs(launch):
             build = gpu_build.build(launch, config)
             assert build.stack_bytes == 0 and build.async_copies and build.copies_in_flight, (config, build)
@@ -689,31 +708,30 @@ def _time_once(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-@pytest.mark.parametrize("segments", [False, True], ids=["pairs", "segments"])
-def test_gpu_benchmark_table_runs_under_the_interpreter(segments, backend, monkeypatch):
-    """benchmarks/kernels.py's GPU table, run on the CPU (Triton interpreter, tiny cases, one timed call per
-    cell): its code keeps working where no GPU is, so that it runs unchanged when one is there."""
+def test_gpu_benchmark_table_runs_under_the_interpreter(backend, monkeypatch):
+    """benchmarks/kernels.py's GPU table with its segment columns (`--segments`), run on the CPU (Triton
+    interpreter, tiny cases, one timed call per cell): its code keeps working where no GPU is, so that it runs
+    unchanged when one is there."""
     backend("triton")
     from switchhead.kernels import triton_kernels
 
     tk = triton_kernels.load()
-    launched = []
-    monkeypatch.setattr(tk, "_segment_matmul", lambda *a, _f=tk._segment_matmul: launched.append(1) or _f(*a))
+    launched = _spy_segments(monkeypatch, tk)
     bench_module = _benchmark_module()
     once = _time_once
     Case = bench_module.Case
     cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
-    lines = bench_module.gpu_table([1, 9], DEVICE, cases, once, once, segments)  # N = 9: tiled
+    lines = bench_module.gpu_table([1, 9], DEVICE, cases, once, once, segments=True)  # N = 9: tiled
     assert os.environ["SWITCHHEAD_KERNEL"] == "triton"  # what the fixture set, restored
-    assert not tk.SEGMENT_FORWARD and bool(launched) == segments  # the segment column ran them, and only it
+    assert not tk.SEGMENTS  # switched on only for the segment columns, which ran both kernels, and only they
+    assert set(launched) == {"forward", "grad_x"}
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), r[1].strip(), int(r[2])) for r in rows] == [
         (c.name, d, n) for d in ("float16", "bfloat16") for c in cases for n in (1, 9)
     ]
-    cells = 6 if segments else 4  # op ms, cuBLAS ms, % for GPU/wall x fwd/bwd[/fwd segments]
-    for r in rows:
-        assert len(r) == 3 + 3 * cells, r
-        for first in range(3, 3 + 3 * cells, 3):
+    for r in rows:  # op ms, cuBLAS ms, % for GPU/wall x fwd/bwd x pairs/segments
+        assert len(r) == 3 + 3 * 8, r
+        for first in range(3, 3 + 3 * 8, 3):
             assert float(r[first]) > 0 and float(r[first + 1]) > 0 and r[first + 2].strip().endswith("%"), r
 
 

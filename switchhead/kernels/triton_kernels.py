@@ -13,9 +13,9 @@ counting sort: `_count_pairs_kernel`, a cumsum, `_place_pairs_kernel`):
    its own instead, summed in a fixed order afterwards. The same kernel computes grad_x with the weight
    transposed, and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the
    un-gated grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
-   `_segment_matmul_kernel` is the same forward over segments (a head's k slots, which share an input and an
-   output row) sorted by the set of experts they chose: the k products add up in registers before the one
-   store or atomic add. Off by default (`SEGMENT_FORWARD`) until it has been timed on a GPU.
+   `_segment_matmul_kernel` does the same (forward and grad_x) over segments (a head's k slots, which share an
+   input and an output row) sorted by the set of experts they chose: the k products add up in registers before
+   the one store or atomic add. Off by default (`SEGMENTS`) until it has been timed on a GPU.
 2. `_weight_grad_kernel`: one program per (expert, D_in tile, D_out tile) walks that expert's pairs in a
    fixed order: deterministic, no atomics (the authors' CVMM uses atomics here). When that is too few programs
    for the GPU, each expert's pairs are cut into chunks with one program each, whose partial sums are added
@@ -72,14 +72,16 @@ UNPADDED_FORWARD_MIN_WIDTH = 256
 # announced to turn off in 3.10 (3.9 warns when it is unset), stays on so results do not change with the version.
 _BUILD = {"enable_fp_fusion": True}
 
-# The tiled forward can take a head's k slots at once (a segment: they share an input and an output row), sorting
-# segments by the experts they chose instead of pairs by expert (`_segment_matmul_kernel`). Its k products add
-# up in registers: k times fewer stores or atomic adds (none at all for V: each head has its own output row;
-# half as many for the 262M model's O, 4 instead of 8 per output element), and no fp32 buffer where no row is
-# shared. The cost: tiles per expert set rather than per expert (C(5, 3) = 10 per head for the 47M model), so
-# more partial tiles. Off until it has been timed against the pair kernel on a GPU
-# (`python benchmarks/kernels.py --no-cpu --segments` puts both side by side).
-SEGMENT_FORWARD = False
+# The tiled products (forward and grad_x) can take a head's k slots at once (a segment: they share an input and an
+# output row), sorting segments by the experts they chose instead of pairs by expert (`_segment_matmul_kernel`).
+# Their k products add up in registers: k times fewer stores or atomic adds. In the forward, none at all for V
+# (each head has its own output row) and half as many for the 262M model's O (4 instead of 8 per element); in
+# grad_x, none for O (each head its own input row) and H instead of H*k per element for V; and no fp32 buffer
+# where no row is shared. The costs: tiles per expert set rather than per expert (the 47M model's heads choose 3
+# of 5 experts: 20 sets where the pair kernel has 10 experts), so more partly filled tiles; and in the backward a
+# second sort (the weight gradient still needs the pairs by expert). Off until it has been timed against the pair
+# kernel on a GPU (`python benchmarks/kernels.py --no-cpu --segments` puts both side by side).
+SEGMENTS = False
 # Segments are sorted by their expert multiset, C(E + k - 1, k) keys (220 for the 47M model's 10 experts and k = 3,
 # 136 for 262M); every program scans the keys' offsets to find its tile, so beyond this many the forward keeps to
 # pairs.
@@ -473,27 +475,38 @@ def _grouped_matmul(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 1b. The forward over segments
+# 1b. The same over segments (forward and grad_x)
+
+
+def _segment_pruner(configs, named_args, **kwargs) -> list[triton.Config]:
+    """The segment kernel's tiles for this precision; with the gate-gradient epilogue, at most 64 x 64 ones: the
+    larger tensor-core tiles spilled 24-80 bytes there (sm_90, bf16, 47M shapes), with a product's tile, the
+    segment's sum and the partner rows live at once."""
+    tiles = _pruner(_SEGMENT_CONFIGS)(configs, named_args, **kwargs)
+    if kwargs.get("GATE_GRAD", named_args.get("GATE_GRAD")):
+        tiles = [c for c in tiles if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
+    return tiles
 
 
 @triton.autotune(
     configs=_all(_SEGMENT_CONFIGS),
     key=["K_DIM", "N_DIM", "M_BUCKET", "n_sets", "A_PER", "C_PER", "SEG", "PRECISION"],
-    prune_configs_by={"early_config_prune": _pruner(_SEGMENT_CONFIGS)},
-    reset_to_zero=["c_ptr"],  # with ATOMIC the output accumulates over the tuning runs
+    prune_configs_by={"early_config_prune": _segment_pruner},
+    # with ATOMIC the output accumulates over the tuning runs; narrower BLOCK_N fills more gate-gradient partials
+    reset_to_zero=["c_ptr", "gate_grad_ptr"],
 )
 @triton.jit
 def _segment_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr, experts_ptr, slots_ptr, gate_ptr,
-    n_sets, M_BUCKET, A_PER, C_PER, K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr, experts_ptr, slots_ptr, gate_ptr, partner_ptr, gate_grad_ptr,
+    n_sets, n_pairs, M_BUCKET, A_PER, C_PER, K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     stride_a: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
-    stride_c: tl.constexpr, SEG: tl.constexpr, HAS_GATE: tl.constexpr, ATOMIC: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_c: tl.constexpr, stride_partner: tl.constexpr, SEG: tl.constexpr, HAS_GATE: tl.constexpr,
+    GATE_GRAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # A tile holds segments that chose the same experts (sorted by their expert multiset), so its SEG products
     # are SEG tile GEMMs against one expert each, summed in registers: one store (or atomic add) per segment
-    # where the pair kernel makes one per pair.
+    # where the pair kernel makes one per pair. Everything else is the pair kernel's, per product.
     group, start, end = _tile_owner(tl.program_id(0), offsets_ptr, n_sets, BLOCK_M, E_PAD)
     if group < 0:
         return
@@ -505,6 +518,9 @@ def _segment_matmul_kernel(
     lead = tl.load(order_ptr + start).to(tl.int64)  # every segment of the tile has this one's experts
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N_DIM
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    if GATE_GRAD:  # the same row for every product of the segment
+        partner = tl.load(partner_ptr + c_row[:, None] * stride_partner + offs_n[None, :], mask=mask_c, other=0.0)
     out = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for j in range(SEG):
         expert = tl.load(experts_ptr + lead * SEG + j)
@@ -512,13 +528,15 @@ def _segment_matmul_kernel(
             a_ptr, a_row, mask_m, w_ptr, expert, offs_n, mask_n, K_DIM, stride_a, stride_we, stride_wk, stride_wn,
             PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
+        pair = tl.load(slots_ptr + segment * SEG + j, mask=mask_m, other=0)
+        if GATE_GRAD:
+            partial = tl.reduce(acc * partner.to(tl.float32), 1, _add)
+            tl.store(gate_grad_ptr + tl.program_id(1) * n_pairs + pair, partial, mask=mask_m)
         if HAS_GATE:  # gated in fp32, as in the pair kernel: the same rounding
-            pair = tl.load(slots_ptr + segment * SEG + j, mask=mask_m, other=0)
             acc *= tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
         out += acc
     c_ptrs = c_ptr + c_row[:, None] * stride_c + offs_n[None, :]
-    mask_c = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:  # several segments add into one output row (the heads of O): as in the pair kernel
+    if ATOMIC:  # several segments add into one row (the heads of O's output, of V's input): relaxed, as above
         tl.atomic_add(c_ptrs, out, mask=mask_c, sem="relaxed")
     else:
         tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_c)
@@ -552,19 +570,34 @@ def _sort_segments(index: Tensor, n_experts: int, seg: int) -> tuple[Tensor, Ten
 
 
 def _segment_matmul(
-    a: Tensor, a_per: int, weight: Tensor, index: Tensor, gate: Tensor | None, c_rows: int, c_per: int, seg: int
-) -> Tensor:
-    """c[pair // c_per] += gate[pair] * a[pair // a_per] @ W[expert(pair)], a segment's `seg` pairs at once.
+    a: Tensor,
+    a_per: int,
+    weight: Tensor,
+    transpose_weight: bool,
+    c_rows: int,
+    c_per: int,
+    segments: tuple[Tensor, Tensor, Tensor, Tensor],
+    gate: Tensor | None,
+    partner: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """`_grouped_matmul` over `segments` (from `_sort_segments`), each segment's pairs at once; the same results.
 
-    Returns c: fp32 if rows receive several segments (added with atomics), else a's dtype."""
-    n_experts = weight.shape[0]
-    sets = _segment_sets(n_experts, seg)
-    order, offsets, experts, pairs = _sort_segments(index, n_experts, seg)
-    k_dim, n_dim = a.shape[1], weight.shape[2]
+    c is fp32 if rows receive several segments (added with atomics), else a's dtype."""
+    order, offsets, experts, pairs = segments
+    seg = pairs.shape[1]
+    sets = offsets.numel() - 1
+    k_dim, n_dim = a.shape[1], (weight.shape[1] if transpose_weight else weight.shape[2])
+    stride_wk, stride_wn = weight.stride(1), weight.stride(2)
+    if transpose_weight:
+        stride_wk, stride_wn = stride_wn, stride_wk
     atomic = c_per > seg
     c = (torch.zeros if atomic else torch.empty)(
         c_rows, n_dim, dtype=torch.float32 if atomic else a.dtype, device=a.device
     )
+    gate_grad = None
+    if partner is not None:
+        block_n = min(cfg.kwargs["BLOCK_N"] for cfg in _all(_SEGMENT_CONFIGS))
+        gate_grad = torch.zeros(triton.cdiv(n_dim, block_n), pairs.numel(), dtype=torch.float32, device=a.device)
 
     def grid(meta: dict) -> tuple[int, int]:
         tiles = triton.cdiv(order.numel(), meta["BLOCK_M"]) + min(sets, order.numel())  # every set may end partial
@@ -572,12 +605,14 @@ def _segment_matmul(
 
     _segment_matmul_kernel[grid](
         a, weight, c, order, offsets, experts, pairs, gate if gate is not None else a,
-        sets, _bucket(order.numel()), a_per, c_per, k_dim, n_dim,
-        a.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), c.stride(0),
-        SEG=seg, HAS_GATE=gate is not None, ATOMIC=atomic, PRECISION=_precision(a.dtype),
-        DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(sets), **_BUILD,
+        partner if partner is not None else a, gate_grad if gate_grad is not None else c,
+        sets, pairs.numel(), _bucket(order.numel()), a_per, c_per, k_dim, n_dim,
+        a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0),
+        partner.stride(0) if partner is not None else 0,
+        SEG=seg, HAS_GATE=gate is not None, GATE_GRAD=partner is not None, ATOMIC=atomic,
+        PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(sets), **_BUILD,
     )  # fmt: skip
-    return c
+    return c, (gate_grad.sum(0) if gate_grad is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -786,23 +821,24 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     align = 1 if x.shape[2] >= UNPADDED_FORWARD_MIN_WIDTH else ALIGN
     d_in_p, d_out_p = _aligned(weight.shape[1], align), _aligned(d_out, align)
     x2, w = _rows(x, d_in_p), _padded_weight(weight, d_in_p, d_out_p)
-    if _by_segments(slots, n_in, n_out, n_experts):
-        seg = segment_length(slots, n_in, n_out)
-        out = _segment_matmul(x2, slots // n_in, w, index, flat_gate, n * n_out, slots // n_out, seg)
+    if _by_segments(slots, n_in, n_out, n_experts, slots // n_out):
+        segments = _sort_segments(index, n_experts, segment_length(slots, n_in, n_out))
+        out, _ = _segment_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, segments, flat_gate)
     else:
         order, offsets = _sort_pairs(index, n_experts)
         out, _ = _grouped_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate)
     return out[:, :d_out].to(x.dtype).reshape(n, n_out, d_out).contiguous()
 
 
-def _by_segments(slots: int, n_in: int, n_out: int, n_experts: int) -> bool:
-    """Run the tiled forward over segments (`_segment_matmul`) rather than pairs?"""
+def _by_segments(slots: int, n_in: int, n_out: int, n_experts: int, written_per: int) -> bool:
+    """Run a tiled product over segments (`_segment_matmul`) rather than pairs, when the rows it writes take
+    `written_per` pairs each?"""
     seg = segment_length(slots, n_in, n_out)
-    if not SEGMENT_FORWARD or seg == 1 or _segment_sets(n_experts, seg) > SEGMENT_MAX_SETS:
+    if not SEGMENTS or seg == 1 or _segment_sets(n_experts, seg) > SEGMENT_MAX_SETS:
         return False
     # Rows shared by several segments would be added with atomics; determinism asks for the pair path's
     # one-row-per-pair sum instead.
-    return slots // n_out == seg or not torch.are_deterministic_algorithms_enabled()
+    return written_per == seg or not torch.are_deterministic_algorithms_enabled()
 
 
 def backward(
@@ -816,12 +852,17 @@ def backward(
     x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
     weight = _padded_weight(weight, d_in_p, d_out_p)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
-    order, offsets = _sort_pairs(index, n_experts)
-    want_gate_grad = gate is not None and need_gate_grad
-    grad_x, gate_grad = _grouped_matmul(
-        g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate,
-        partner=x2 if want_gate_grad else None,
-    )  # fmt: skip
+    order, offsets = _sort_pairs(index, n_experts)  # the weight gradient's, whatever grad_x runs over
+    partner = x2 if gate is not None and need_gate_grad else None
+    if _by_segments(slots, n_in, n_out, n_experts, slots // n_in):
+        segments = _sort_segments(index, n_experts, segment_length(slots, n_in, n_out))
+        grad_x, gate_grad = _segment_matmul(
+            g2, slots // n_out, weight, True, n * n_in, slots // n_in, segments, flat_gate, partner
+        )
+    else:
+        grad_x, gate_grad = _grouped_matmul(
+            g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
+        )
     grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
     if gate_grad is not None:
         grad_gate = gate_grad.view(n, slots).to(gate.dtype)
