@@ -185,3 +185,19 @@ def test_unusable_token_cache_is_a_one_line_error(tmp_path, sp):
     with pytest.raises(SwitchheadError, match=f"cannot write the token cache in {cache}"):
         cached_tokens(sp, data, cache)
     assert cache.read_text() == "a file, not a directory"
+
+
+@pytest.mark.parametrize("damage", ["cut mid-way", "cut in the header", "garbled", "other dtype"])
+def test_damaged_token_cache_entry_is_a_one_line_error(tmp_path, sp, damage):
+    data = _corpus(tmp_path / "a.txt", n_lines=20)
+    cache = tmp_path / "cache"
+    cached_tokens(sp, data, cache)
+    (entry,) = cache.glob("*.npy")
+    raw = entry.read_bytes()
+    entry.write_bytes({"cut mid-way": raw[: len(raw) // 2], "cut in the header": raw[:60], "garbled": b"x" * len(raw),
+                       "other dtype": b""}[damage])
+    if damage == "other dtype":
+        np.save(entry, np.zeros(10, dtype=np.float64))
+    with pytest.raises(SwitchheadError, match=f"the token cache entry {entry} is damaged") as e:
+        cached_tokens(sp, data, cache)
+    assert "\n" not in str(e.value)

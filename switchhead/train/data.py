@@ -132,10 +132,18 @@ def cached_tokens(
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+    damaged = SwitchheadError(f"the token cache entry {target} is damaged (not a whole token array); delete it "
+                              "and it is rebuilt")
     try:
-        return np.load(target, mmap_mode="r")
+        ids = np.load(target, mmap_mode="r")
     except OSError as e:
         raise SwitchheadError(f"cannot read the token cache {target}: {e.strerror or e}") from None
+    except ValueError:  # numpy's complaint about a cut-off or garbled .npy
+        raise damaged from None
+    # Anything else would be read as other tokens, silently.
+    if ids.ndim != 1 or ids.dtype != token_dtype(sp):
+        raise damaged
+    return ids
 
 
 class TokenStream:
