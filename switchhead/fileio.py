@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -57,6 +58,16 @@ def check_creatable(path: str | Path, what: str) -> None:
         os.unlink(name)
     except OSError as e:
         raise SwitchheadError(f"{what} {path}: cannot write in {parent}: {e.strerror or e}") from None
+
+
+# The names of the temporaries `write_atomic` and `atomic_directory` create beside their target.
+_TEMPORARY = re.compile(r"\..+\.(\d+\.tmp|tmp-[A-Za-z0-9_]+)")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether `name` is a temporary of `write_atomic` or `atomic_directory`: one that is still there was left
+    by a process killed mid-write, and is never a finished output."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
@@ -144,7 +155,13 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"
             os.replace(path, old)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if old is not None:  # put the previous output back where its user looks for it
+                with contextlib.suppress(OSError):
+                    os.replace(old, path)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:

@@ -100,6 +100,25 @@ def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
     assert [p.name for p in out.iterdir()] == ["b"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_atomic_directory_keeps_the_old_directory_where_the_final_rename_fails(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    with fileio.atomic_directory(out) as tmp:
+        (tmp / "a").write_text("old")
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".out.tmp-"):  # the new directory onto `out`, after the old one moved aside
+            raise OSError("I/O error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(fileio.os, "replace", replace)
+    with pytest.raises(SwitchheadError, match=r"cannot write .*out: I/O error"):
+        with fileio.atomic_directory(out) as tmp:
+            (tmp / "a").write_text("new")
+    # The previous output is back under its own name, not hidden in a moved-aside copy.
+    assert (out / "a").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_atomic_directory_writes_through_a_symlink(tmp_path):
     (tmp_path / "disk").mkdir()
     (tmp_path / "disk" / "out").mkdir()

@@ -252,6 +252,50 @@ def test_non_finite_config_values(corpus, tmp_path, key, value):
     assert not (tmp_path / "o").exists()
 
 
+def test_run_killed_before_its_first_checkpoint_starts_over(corpus, tmp_path, monkeypatch):
+    import switchhead.train.loop as loop
+    from switchhead.errors import SwitchheadError
+
+    def crash(*args):
+        raise SwitchheadError("crashed")
+
+    # Stopped while marking the directory as a run: nothing of it may make the directory a stranger's.
+    out = tmp_path / "run"
+    monkeypatch.setattr(loop, "write_run_spec", crash)
+    _assert_user_error(_tiny(out, corpus, tmp_path), "crashed")
+    monkeypatch.undo()
+    assert _tiny(out, corpus, tmp_path).exit_code == 0
+    # Stopped in the first checkpoint save; a SIGKILL removes no temporaries, so they are made here by hand.
+    out = tmp_path / "run2"
+    monkeypatch.setattr(loop, "write_training_checkpoint", crash)
+    _assert_user_error(_tiny(out, corpus, tmp_path), "crashed")
+    monkeypatch.undo()
+    (out / ".checkpoint.tmp-k3j9x2ab").mkdir()
+    (out / ".checkpoint.tmp-k3j9x2ab" / "model.safetensors").write_bytes(b"half")
+    (out / ".metrics.jsonl.4242.tmp").write_text('{"step"')
+    _assert_user_error(_run("--out", out, "--resume", "--no-progress"), "stopped before its first checkpoint")
+    r = _tiny(out, corpus, tmp_path)
+    assert r.exit_code == 0, r.output
+    switchhead.load(out / "final")
+
+
+def test_two_runs_never_share_an_out_dir(corpus, tmp_path):
+    import fcntl
+    import os
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a run in progress there holds it
+        _assert_user_error(_tiny(out, corpus, tmp_path), f"--out {out} is in use by another training run")
+        assert not any(out.iterdir())
+    finally:
+        os.close(fd)
+    r = _tiny(out, corpus, tmp_path)
+    assert r.exit_code == 0, r.output
+
+
 def test_resume_refuses_steps_below_the_checkpoint(corpus, tmp_path):
     out = tmp_path / "run"
     kept = _finished_run(out, corpus, tmp_path)

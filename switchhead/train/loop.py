@@ -47,6 +47,7 @@ from switchhead.train.rundir import (
     TOKENIZER_FILE,
     check_out_dir,
     compare_specs,
+    lock_run_dir,
     read_resume_state,
     run_spec,
     truncate_metrics,
@@ -279,7 +280,8 @@ def train(opts: TrainOptions) -> TrainResult:
     """Train (or resume) a model as described by `opts`; see the module docstring for the output layout."""
     device, owns_group = _setup_distributed(opts.device)
     try:
-        return _train(opts, device)
+        with contextlib.ExitStack() as held:
+            return _train(opts, device, held)
     finally:
         if owns_group and _dist_on():
             dist.destroy_process_group()
@@ -310,7 +312,7 @@ def _validate(opts: TrainOptions) -> None:
 _MAX_LR = float(torch.finfo(torch.float32).max) / 20
 
 
-def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
+def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack) -> TrainResult:
     _validate(opts)
     rank, world = _rank(), _world()
     is_main = rank == 0
@@ -384,9 +386,13 @@ def _train(opts: TrainOptions, device: torch.device) -> TrainResult:
 
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(out, held)
+        check_out_dir(out, opts.resume)  # again: another run may have finished here while this one was preparing
         if old_spec is None:  # a new run, or one started over where the last stopped before its first checkpoint
-            save_tokenizer(sp, tok_path)
+            # run.json first: it marks the directory as a run, which a crash before the tokenizer is written
+            # then leaves startable again (a lone tokenizer.model would make it a stranger's directory).
             write_run_spec(out, spec)
+            save_tokenizer(sp, tok_path)
         elif not tok_path.is_file():
             save_tokenizer(sp, tok_path)
     _barrier()

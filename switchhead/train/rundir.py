@@ -11,14 +11,16 @@ Layout of ``--out DIR``:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from switchhead.errors import CheckpointError, SwitchheadError
-from switchhead.fileio import check_creatable, holds_only, read_utf8, write_atomic
+from switchhead.fileio import check_creatable, is_temporary, read_utf8, write_atomic
 from switchhead.model.checkpoint import CONFIG
 from switchhead.model.checkpoint import load as load_checkpoint
 from switchhead.model.config import ModelConfig
@@ -141,7 +143,10 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
         raise SwitchheadError(f"--out {out} exists and is not a directory")
     check_creatable(out, "--out")
     run_file = out / RUN_FILE
-    if out.is_dir() and any(out.iterdir()) and not run_file.is_file():
+    # A run killed while writing leaves the temporaries of its writers: they are neither a user's files nor a
+    # checkpoint, so they neither forbid the directory nor make a run that never saved one resumable.
+    entries = [p for p in out.iterdir() if not is_temporary(p.name)] if out.is_dir() else []
+    if entries and not run_file.is_file():
         raise SwitchheadError(
             f"--out {out} is not empty and holds no switchhead training run; refusing to write into it"
         )
@@ -152,7 +157,7 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
     spec = _read_run_file(run_file)
     # A run that stopped (diverged, was refused, crashed) before its first checkpoint left no weights: starting
     # it over there loses nothing a resume could use, and is what the divergence error tells the user to do.
-    never_saved = holds_only(out, {RUN_FILE, TOKENIZER_FILE, METRICS_FILE})
+    never_saved = all(p.name in (RUN_FILE, TOKENIZER_FILE, METRICS_FILE) and p.is_file() for p in entries)
     if not resume:
         if never_saved:
             return None
@@ -167,6 +172,23 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
         )
     _check_resumable(out)
     return spec
+
+
+def lock_run_dir(out: Path, held: contextlib.ExitStack) -> None:
+    """Hold an exclusive lock on the run directory `out` until `held` closes; a SwitchheadError if another run
+    holds it. Two runs in one directory would overwrite each other's run.json, tokenizer and checkpoints, which
+    --resume would then combine without noticing."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform
+        return
+    fd = os.open(out, os.O_RDONLY)
+    held.callback(os.close, fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise SwitchheadError(f"--out {out} is in use by another training run; wait for it to end or choose "
+                              "another directory") from None
 
 
 def compare_specs(old: dict, new: dict) -> None:
