@@ -371,13 +371,21 @@ def test_int8_quantisation(exported, model, tmp_path):
     assert abs(int8 / fp32 - 1) < 0.05
 
 
-def test_int8_export_runs_as_its_graph_defines(tmp_path):
+def test_int8_export_runs_as_its_graph_defines(tmp_path, monkeypatch):
     """ONNX Runtime agrees with onnx.reference's exact integer arithmetic on the quantised graph, whatever the
     CPU's int8 instructions (x86 without VNNI saturates full-range u8 x s8 products)."""
     from onnx.reference import ReferenceEvaluator
 
+    from switchhead.export import exporter
+    from switchhead.fileio import is_temporary
+
+    beside = []  # what lies beside the output while it quantises: all a kill at that moment would leave
+    quantize = exporter.quantize_int8
+    monkeypatch.setattr(exporter, "quantize_int8", lambda *a: beside.extend(p.name for p in tmp_path.iterdir())
+                        or quantize(*a))
     model = _model(PRESETS["tiny-transformer"].replace(n_layers=1))
     q = export(None, tmp_path / "int8", model=model, quantize="int8")
+    assert len(beside) == 1 and is_temporary(beside[0]), beside
     feeds = _step_feeds(model.config, _ids(model.config.vocab_size, 2, 16))
     got = ort.InferenceSession(str(q.out / "model.onnx"), providers=["CPUExecutionProvider"]).run(["logits"], feeds)
     want = ReferenceEvaluator(str(q.out / "model.onnx")).run(["logits"], feeds)

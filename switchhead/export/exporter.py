@@ -442,7 +442,9 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     with atomic_directory(out) as tmp:
         path = tmp / MODEL_FILE
         if quantize == "int8":
-            with tempfile.TemporaryDirectory(dir=tmp.parent) as work:
+            # Inside the export's own temporary directory: a process killed while quantising then leaves one
+            # temporary beside the output, which later runs know as such, not a stray directory of its own.
+            with tempfile.TemporaryDirectory(dir=tmp, prefix=".fp32-") as work:
                 fp32 = Path(work) / MODEL_FILE
                 stages.set_postfix_str("saving")
                 onnx.save(proto, str(fp32))
