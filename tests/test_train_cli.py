@@ -277,6 +277,7 @@ def test_run_killed_before_its_first_checkpoint_starts_over(corpus, tmp_path, mo
     r = _tiny(out, corpus, tmp_path)
     assert r.exit_code == 0, r.output
     switchhead.load(out / "final")
+    assert not (out / ".checkpoint.tmp-k3j9x2ab").exists() and not (out / ".metrics.jsonl.4242.tmp").exists()
 
 
 def test_two_runs_never_share_an_out_dir(corpus, tmp_path):

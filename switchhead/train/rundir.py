@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -177,7 +178,8 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
 def lock_run_dir(out: Path, held: contextlib.ExitStack) -> None:
     """Hold an exclusive lock on the run directory `out` until `held` closes; a SwitchheadError if another run
     holds it. Two runs in one directory would overwrite each other's run.json, tokenizer and checkpoints, which
-    --resume would then combine without noticing."""
+    --resume would then combine without noticing. Once it is held, no writer of another run can be at work in
+    `out`: the temporaries there were left by killed ones, and are removed."""
     try:
         import fcntl
     except ImportError:  # no flock on this platform
@@ -189,6 +191,11 @@ def lock_run_dir(out: Path, held: contextlib.ExitStack) -> None:
     except OSError:
         raise SwitchheadError(f"--out {out} is in use by another training run; wait for it to end or choose "
                               "another directory") from None
+    for p in out.iterdir():
+        if is_temporary(p.name) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif is_temporary(p.name):
+            p.unlink(missing_ok=True)
 
 
 def compare_specs(old: dict, new: dict) -> None:
