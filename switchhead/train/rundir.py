@@ -188,9 +188,11 @@ def lock_run_dir(out: Path, held: contextlib.ExitStack) -> None:
     held.callback(os.close, fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         raise SwitchheadError(f"--out {out} is in use by another training run; wait for it to end or choose "
                               "another directory") from None
+    except OSError:  # a file system without locks (some network ones): unguarded, as where there is no flock
+        return
     for p in out.iterdir():
         if is_temporary(p.name) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
