@@ -103,6 +103,19 @@ def test_switchhead_rows_follow_the_formula():
     assert round(attention_memory(PRESETS["switchhead-262m"]) / 1e6, 2) == 6.03
 
 
+@pytest.mark.parametrize("projections", [(), ("v",), ("k", "q"), ("v", "k", "q", "o")])
+def test_switchhead_macs_count_each_projection_as_it_is_built(projections):
+    """V and O as mixtures is the paper's formula; other subsets cost T*dh*d per dense projection and
+    T*k*dh*(d+1) per mixture, so an all-dense SwitchHead counts as dense attention without u/v."""
+    cfg = PRESETS["switchhead-47m"].replace(moe_projections=projections)
+    h, t, dh, d, k = cfg.n_heads, cfg.chunk_len, cfg.d_head, cfg.d_model, cfg.k
+    n = len(projections)
+    rest = 2 * 2 * t * t * dh + 2 * 2 * t * dh * d
+    assert attention_macs(cfg) == h * ((4 - n) * t * dh * d + n * t * k * dh * (d + 1) + rest)
+    if not projections:
+        assert attention_macs(cfg) == attention_macs(cfg.replace(attention="dense"))
+
+
 def test_moa_formula():
     cfg = PRESETS["moa-47m"]
     h, t, dh, d = cfg.n_heads, cfg.chunk_len, cfg.d_head, cfg.d_model

@@ -63,7 +63,10 @@ def attention_macs(config: ModelConfig) -> int:
     if config.attention == "dense":
         return h * (4 * t * dh * d + 2 * c * t * t * dh + pos)
     if config.attention == "switchhead":
-        return h * (2 * t * dh * d + 2 * t * k * dh * (d + 1) + 2 * c * t * t * dh + pos)
+        # The paper's formula is for mixtures on V and O: each dense projection costs T*dh*d, each mixture
+        # T*k*dh*(d+1). Counting per projection keeps the ablations (any subset of V, K, Q, O) honest.
+        n_moe = len(config.moe_projections)
+        return h * ((4 - n_moe) * t * dh * d + n_moe * t * k * dh * (d + 1) + 2 * c * t * t * dh + pos)
     return (2 * h + 2) * t * dh * d + 2 * h * c * t * t * dh + pos
 
 
