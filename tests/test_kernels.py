@@ -254,10 +254,10 @@ def test_triton_half(shape, dtype, backend):
 # kernel's token count: V-like (a row per head: stores), O-like (rows shared by the heads: atomics), repeated and
 # single experts, no gates, input rows wide enough to stay unpadded, few sets (counting sort) and many (torch.sort).
 SEGMENT_SHAPES = [
-    SHAPES[4],  # O: 3 slots per segment, 8 experts: 120 sets
+    Shape(37, 2, 6, 1, 4, 12, 20),  # O: 3 slots per segment, 4 experts: 20 sets
     SHAPES[5],  # V, every pair on one expert
     SHAPES[10],  # 2 experts, segments of 2: 3 sets
-    SHAPES[11],  # V without gates
+    SHAPES[11],  # V without gates, 7 experts: 84 sets (more than the counting sort takes)
     Shape(26, 1, 4, 2, 3, 259, 10, routing="some_empty"),  # unpadded 259-wide rows, experts 0 and 2 only
     Shape(9, 2, 4, 1, 2, 16, 33),  # just above the gather kernel's tokens
 ]
