@@ -126,8 +126,9 @@ def info(config_spec, ckpt, as_json):
 @main.command()
 @click.option("--config", "config_spec", help="Preset name or model config JSON (required unless --resume).")
 @click.option("--data", multiple=True, type=PATH,
-              help="Training text file, or a directory of .txt files (repeatable; each file is one document, "
-                   "followed by the tokenizer's EOS). Required unless --resume.")
+              help="Training text file, or a directory: the .txt files under it, subdirectories included and "
+                   "hidden ones skipped, in path order (repeatable; each file is one document, followed by the "
+                   "tokenizer's EOS; a leading byte-order mark is dropped). Required unless --resume.")
 @click.option("--out", required=True, type=PATH,
               help="Output directory (new, empty, or a run to --resume).")
 @click.option("--tokenizer", type=PATH,

@@ -201,3 +201,79 @@ def test_damaged_token_cache_entry_is_a_one_line_error(tmp_path, sp, damage):
     with pytest.raises(SwitchheadError, match=f"the token cache entry {entry} is damaged") as e:
         cached_tokens(sp, data, cache)
     assert "\n" not in str(e.value)
+
+
+def test_data_directory_includes_subdirectories_and_skips_hidden_ones(tmp_path):
+    from switchhead.train.data import check_data_files
+
+    books = tmp_path / "books"
+    (books / "austen").mkdir(parents=True)
+    (books / "a.txt").write_text("first book")
+    (books / "austen" / "emma.txt").write_text("nested book")
+    (books / ".ipynb_checkpoints").mkdir()
+    (books / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("a copy")
+    (books / "._a.txt").write_bytes(b"\x00\x05\x16\x07 metadata")
+    (books / "austen" / "up").symlink_to("..")  # a loop: walked once, not forever
+    assert check_data_files([books]) == [books / "a.txt", books / "austen" / "emma.txt"]
+    (books / "gone.txt").symlink_to("nowhere.txt")
+    with pytest.raises(SwitchheadError, match="dangling or looping symbolic link: .*gone.txt"):
+        check_data_files([books])
+    with pytest.raises(SwitchheadError, match="is not a regular file: /dev/null"):
+        check_data_files(["/dev/null"])
+
+
+def test_byte_order_mark_is_not_text(tmp_path, sp):
+    from switchhead.train.data import check_data_files
+
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("the quick brown fox\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    for unwrap in (False, True):
+        assert list(cached_tokens(sp, marked, tmp_path / "cache", unwrap=unwrap)) == list(
+            cached_tokens(sp, plain, tmp_path / "cache", unwrap=unwrap))
+    only = tmp_path / "only.txt"
+    only.write_bytes(b"\xef\xbb\xbf\n")
+    with pytest.raises(SwitchheadError, match="empty"):
+        check_data_files([only])
+
+
+def test_unwrap_reads_every_line_break_convention():
+    for nl in ("\n", "\r\n", "\r"):
+        text = nl.join(["The first", "paragraph.", "", "The second", "one.", ""])
+        assert unwrap_paragraphs(text) == "The first paragraph.\n\nThe second one."
+
+
+def test_tokenizer_without_eos_is_refused(tmp_path):
+    import io
+
+    import sentencepiece as spm
+
+    from switchhead.model.tokenizer import load_tokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(["alpha beta gamma"] * 50), model_writer=model,
+                                   vocab_size=30, hard_vocab_limit=False, eos_id=-1, bos_id=-1, minloglevel=2)
+    path = tmp_path / "noeos.model"
+    path.write_bytes(model.getvalue())
+    with pytest.raises(SwitchheadError, match=f"tokenizer {path} has no EOS piece"):
+        load_tokenizer(path)
+
+
+def test_file_changing_while_tokenized_leaves_no_cache_entry(tmp_path, sp, monkeypatch):
+    import switchhead.train.data as data
+
+    path = tmp_path / "a.txt"
+    path.write_text("the quick brown fox")
+    real = data.encode_file
+
+    def appended_meanwhile(sp, p, **kw):
+        with open(p, "a") as f:
+            f.write(" jumps over the lazy dog")
+        return real(sp, p, **kw)
+
+    monkeypatch.setattr(data, "encode_file", appended_meanwhile)
+    with pytest.raises(SwitchheadError, match=f"{path} changed while it was being tokenized"):
+        cached_tokens(sp, path, tmp_path / "cache")
+    monkeypatch.undo()
+    path.write_text("the quick brown fox")  # the content the entry would have been keyed by
+    assert list(cached_tokens(sp, path, tmp_path / "cache")) == sp.encode("the quick brown fox") + [sp.eos_id()]

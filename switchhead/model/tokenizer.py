@@ -35,8 +35,7 @@ DEFAULT_MAX_SENTENCES = 200_000
 _MAX_SENTENCE_CHARS = 2000
 
 
-# A paragraph break: a line break, then a line holding only whitespace (then any further blank lines). Any
-# whitespace, not just spaces and tabs: in CRLF files (as many Gutenberg books are) a blank line is "\r".
+# A paragraph break: a line break, then a line holding only whitespace (then any further blank lines).
 _PARAGRAPH_BREAK = re.compile(r"\n[^\S\n]*\n\s*")
 
 
@@ -46,6 +45,9 @@ def unwrap_paragraphs(text: str) -> str:
     Books from Project Gutenberg break lines every ~70 characters. Trained verbatim, a model spends its
     probability on line breaks that never occur in prompts or benchmark text, so training can opt into this.
     """
+    # CRLF (many Gutenberg books) and lone CR (old Mac files) break lines too; split on "\n" alone, a CR-only
+    # file would be one paragraph that keeps every break.
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     paragraphs = (" ".join(line.strip() for line in p.split("\n") if line.strip()) for p in
                   _PARAGRAPH_BREAK.split(text))
     return "\n\n".join(p for p in paragraphs if p)
@@ -61,7 +63,9 @@ def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | Non
 def read_text(path: str | Path, *, unwrap: bool = False) -> str:
     """The text of a UTF-8 file; anything else is refused: replacing bad bytes would silently train on U+FFFD
     (and a binary file would look like a few tokens of text)."""
-    text = read_utf8(path)
+    # A leading byte-order mark (common in UTF-8 books) marks the encoding; kept, every document would start
+    # with a U+FEFF token.
+    text = read_utf8(path).removeprefix("\ufeff")
     return unwrap_paragraphs(text) if unwrap else text
 
 
@@ -164,6 +168,9 @@ def load_tokenizer(path: str | Path) -> spm.SentencePieceProcessor:
         sp.load(str(path))
     except (OSError, RuntimeError) as e:
         raise SwitchheadError(f"not a SentencePiece model: {path} ({e})") from None
+    if sp.eos_id() < 0:  # documents are followed by it in every token stream
+        raise SwitchheadError(f"tokenizer {path} has no EOS piece (eos_id -1); switchhead needs one to separate "
+                              "documents")
     return sp
 
 

@@ -23,7 +23,7 @@ from switchhead.fileio import check_creatable, not_utf8
 from switchhead.model.tokenizer import encode_file, token_dtype, tokenizer_fingerprint
 
 # Bump when the way files become tokens changes, so stale caches are not reused.
-_CACHE_VERSION = "2"  # 2: --unwrap keeps paragraphs of CRLF files
+_CACHE_VERSION = "3"  # 2: --unwrap keeps paragraphs of CRLF files; 3: no leading BOM, --unwrap of CR files
 
 
 def default_cache_dir() -> Path:
@@ -33,13 +33,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "switchhead" / "tokens"
 
 
+def _txt_files(root: Path) -> list[Path]:
+    """The .txt files under `root`, subdirectories (and linked ones) included, in path order. Hidden files and
+    directories are left out: they hold copies and metadata (.ipynb_checkpoints, macOS's ._name.txt), not text."""
+    found, seen = [], set()
+    for parent, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(parent)
+        if real in seen:  # a link back up the tree would be walked forever
+            dirs.clear()
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        # A dangling or looping link is listed here too, and refused by check_data_files rather than skipped.
+        found += [Path(parent, n) for n in names if n.endswith(".txt") and not n.startswith(".")]
+    return sorted(found)
+
+
 def _expand_dirs(files: Sequence[str | Path], what: str) -> list[Path]:
-    """A directory stands for the *.txt files in it, in name order."""
+    """A directory stands for the .txt files under it (`_txt_files`)."""
     out = []
     for f in files:
         p = Path(f)
         if p.is_dir():
-            found = sorted(p.glob("*.txt"))
+            found = _txt_files(p)
             if not found:
                 raise SwitchheadError(f"{what} directory {p} has no .txt files")
             out.extend(found)
@@ -55,7 +71,9 @@ def check_data_files(files: Sequence[str | Path], what: str = "data") -> list[Pa
     for f in _expand_dirs(files, what):
         p = Path(f)
         if not p.is_file():
-            raise SwitchheadError(f"{what} file not found: {p}")
+            problem = ("is not a regular file" if p.exists() else
+                       "is a dangling or looping symbolic link" if p.is_symlink() else "not found")
+            raise SwitchheadError(f"{what} file {problem}: {p}")
         if not _check_text(p):
             raise SwitchheadError(f"{what} file is empty: {p}")
         paths.append(p)
@@ -80,7 +98,7 @@ def _check_text(path: Path) -> bool:
                     raise not_utf8(path, pending + block, e.start, offset - len(pending) + e.start, newlines) from None
                 if not block:
                     return not blank
-                blank = blank and not block.strip()
+                blank = blank and not (block if offset else block.removeprefix(codecs.BOM_UTF8)).strip()
                 offset += len(block)
                 newlines += block.count(b"\n")
     except OSError as e:
@@ -115,8 +133,9 @@ def cached_tokens(
     """
     cache_dir = Path(cache_dir)
     reading = "unwrap" if unwrap else "verbatim"
+    digest = file_digest(path)
     key = hashlib.sha256(
-        f"{_CACHE_VERSION}:{file_digest(path)}:{tokenizer_fingerprint(sp)}:{reading}".encode()
+        f"{_CACHE_VERSION}:{digest}:{tokenizer_fingerprint(sp)}:{reading}".encode()
     ).hexdigest()
     target = cache_dir / f"{key[:32]}.npy"
     if not target.is_file():
@@ -124,6 +143,10 @@ def cached_tokens(
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)  # before the slow encoding, so a bad cache fails fast
             ids = encode_file(sp, path, unwrap=unwrap)
+            # A file still being written (a download, a copy) may have changed since it was hashed: its tokens
+            # would be stored under the key of content they do not come from, and served for it later.
+            if file_digest(path) != digest:
+                raise SwitchheadError(f"{path} changed while it was being tokenized; run again once it is complete")
             with open(tmp, "wb") as f:
                 np.save(f, ids.astype(token_dtype(sp), copy=False))
             os.replace(tmp, target)
