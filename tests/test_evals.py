@@ -472,6 +472,16 @@ def test_cli_runs_and_writes_results(env, tmp_path):
     assert json.loads(out.read_text())["results"]["switchhead_lambada"]["sample_len"] == 2, "an earlier run's file"
 
 
+def test_limit_beyond_sys_maxsize_evaluates_all_the_data(env, tmp_path):
+    ckpt, _, _, _ = env
+    (tmp_path / "lambada").mkdir()
+    (tmp_path / data.LAMBADA_FILE).write_text('{"text": "mary saw the dog"}\n{"text": "tom found the ball"}\n')
+    r = run_cli("--tasks", "lambada", "--ckpt", str(ckpt), "--data-dir", str(tmp_path), "--limit", str(10**20),
+                "--output", str(tmp_path / "r.json"), "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["switchhead_lambada"]["sample_len"] == 2
+
+
 def test_eval_prints_nothing_on_stderr_with_no_progress_outside_a_git_repository(env, tmp_path, monkeypatch, capfd):
     # lm-eval runs `git describe` in the current directory to record a commit (git complains outside a
     # repository) and draws a progress bar per task while building requests: neither may reach the terminal.
@@ -531,11 +541,53 @@ def test_evaluate_bad_arguments(tmp_path, kwargs, message):
         evaluate(**kwargs, ckpt=str(tmp_path), data_dir=tmp_path)
 
 
+def test_evaluate_refuses_an_empty_data_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where "" would have been looked for
+    (tmp_path / "lambada").mkdir()
+    (tmp_path / data.LAMBADA_FILE).write_text('{"text": "a b"}\n')
+    with pytest.raises(SwitchheadError, match="--data-dir needs a path, got an empty one"):
+        evaluate("lambada", ckpt=str(tmp_path), data_dir="")
+
+
 def test_bad_data_file_is_a_clear_error(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text('{"text": "ok"}\nnot json\n')
     with pytest.raises(SwitchheadError, match=r"x.jsonl:2: not valid JSON"):
         data.read_jsonl(path, ("text",))
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "a b", "n": ' + "1" * 5000 + "}", "Exceeds the limit"),  # json raises a plain ValueError
+    ("[" * 100_000 + "]" * 100_000, "maximum recursion depth"),
+])
+def test_json_line_python_cannot_decode_is_a_clear_error(tmp_path, line, message):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"text": "a b"}\n' + line + "\n")
+    with pytest.raises(SwitchheadError, match=rf"x.jsonl:2: not readable as JSON \(.*{message}"):
+        data.read_jsonl(path, ("text",))
+
+
+def test_data_dir_that_is_a_file_is_told_apart_from_a_missing_one(tmp_path):
+    (tmp_path / "evals.tgz").write_bytes(b"")
+    with pytest.raises(SwitchheadError, match=r"evals.tgz is not a directory; pass --data-dir DIR holding"):
+        data.check_data_dir(tmp_path / "evals.tgz", ["lambada"])
+
+
+@pytest.mark.parametrize("endpoint", ["https://hub.example:99999", "http://hub.example:port", "http://[::1"])
+def test_malformed_hf_endpoint_is_a_clear_error(monkeypatch, endpoint):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    with pytest.raises(SwitchheadError, match=re.escape(f"HF_ENDPOINT={endpoint!r} is not a valid URL")):
+        data.hub_reachable()
+
+
+def test_output_with_a_trailing_separator_is_refused(tmp_path):
+    from switchhead.evals.run import check_output
+
+    with pytest.raises(SwitchheadError, match="ends with a separator"):
+        check_output(f"{tmp_path / 'results'}/")
+    assert not (tmp_path / "results").exists()
 
 
 def test_cli_reports_a_broken_data_file_in_one_line(env, tmp_path):

@@ -84,6 +84,8 @@ def required_files(task: str) -> list[str]:
 def check_data_dir(data_dir: str | Path, tasks: list[str]) -> Path:
     """Fail early, with the first missing file named, instead of deep inside lm-eval."""
     root = Path(data_dir)
+    if root.exists() and not root.is_dir():
+        raise SwitchheadError(f"--data-dir {root} is not a directory; {LAYOUT_HELP}")
     if not root.is_dir():
         raise SwitchheadError(f"data directory not found: {root}")
     for task in tasks:
@@ -120,8 +122,12 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     hub client's retry loops (about 25 s per dataset)."""
     if _truthy("HF_HUB_OFFLINE") or _truthy("HF_DATASETS_OFFLINE"):
         return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (443 if url.scheme == "https" else 80)
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        url = urlparse(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError as e:  # a bad port or bracket: the hub client would fail on it too, less legibly
+        raise SwitchheadError(f"HF_ENDPOINT={endpoint!r} is not a valid URL ({e})") from None
     try:
         with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
             return True
@@ -158,6 +164,8 @@ def read_jsonl(path: str | Path, fields: tuple[str, ...],
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise SwitchheadError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer beyond Python's digit limit, absurd nesting
+            raise SwitchheadError(f"{path}:{n}: not readable as JSON ({e})") from None
         if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in fields):
             raise SwitchheadError(f"{path}:{n}: expected a JSON object with string field(s) {', '.join(fields)}")
         row = {k: row[k] for k in fields}

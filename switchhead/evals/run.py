@@ -7,7 +7,9 @@ import functools
 import json
 import logging
 import math
+import os
 import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -66,6 +68,9 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
         raise SwitchheadError("--limit applies to --tasks, and no task was given")
     if unwrap and not texts:
         raise SwitchheadError("--unwrap applies to --text files, and none was given")
+    # as the CLI refuses it: check_data_dir would read "" as the current directory, the loaders as no directory
+    if isinstance(data_dir, str) and not data_dir.strip():
+        raise SwitchheadError("--data-dir needs a path, got an empty one")
     if data_dir is not None and not names:
         raise SwitchheadError("--data-dir applies to --tasks, and no task was given")
     if not is_int(batch_size) or batch_size < 1:
@@ -111,7 +116,9 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
         with _quiet_lm_eval():
             results = lm_eval.simple_evaluate(
-                model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir), limit=limit,
+                model=lm, tasks=[TASKS[n] for n in names], task_manager=task_manager(data_dir),
+                # lm-eval slices with islice, which refuses a stop beyond sys.maxsize (more than any data has)
+                limit=None if limit is None else min(limit, sys.maxsize),
                 bootstrap_iters=bootstrap_iters, log_samples=False)
         if results is None:  # non-zero ranks under torch.distributed
             return {}
@@ -146,6 +153,9 @@ def check_output(output: str | Path) -> None:
     path = Path(output)
     if path.is_dir():
         raise SwitchheadError(f"--output must be a file path, {output} is a directory")
+    # Path() drops a trailing separator: "results/", meant as a directory, would become a file "results"
+    if str(output).endswith(("/", os.sep)):
+        raise SwitchheadError(f"--output must be a file path, {output} ends with a separator")
     check_creatable(output, "--output")
     # only regular files: /dev/stdout or a FIFO is written to, not replaced (and reading a FIFO would block)
     if path.is_file() and not is_results_file(path):
