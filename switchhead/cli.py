@@ -102,7 +102,7 @@ def info(config_spec, ckpt, as_json):
     c = s["config"]
     experts = ""
     if c["attention"] == "switchhead":
-        experts = f", E={c['n_experts']} k={c['k']}, MoE {'/'.join(c['moe_projections']).upper()}" + (
+        experts = f", E={c['n_experts']} k={c['k']}, MoE {'/'.join(c['moe_projections']).upper() or 'none'}" + (
             ", shared selection" if c.get("shared_selection") else "")
     elif c["attention"] == "moa":
         experts = f", E={c['n_experts']} k={c['k']} query/output experts, shared K/V"

@@ -52,6 +52,8 @@ def test_unknown_keys_and_bad_json():
         ModelConfig.from_dict({"n_hedas": 3})
     with pytest.raises(ConfigError, match="JSON"):
         ModelConfig.from_json("{nope")
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): 1, None, n_hedas$"):
+        ModelConfig.from_dict({1: 2, "n_hedas": 3, None: 4, "k": 2})
     with pytest.raises(ConfigError, match="unknown config"):
         resolve_config("not-a-preset")
 
@@ -79,6 +81,32 @@ def test_largest_allowed_sizes_are_counted_quickly():
                       chunk_len=MAX_SIZE)
     params = count_params(big)
     assert params["total"] > MAX_SIZE ** 2
+
+
+@pytest.mark.parametrize("value,message", [
+    ("vo", "must be a list"), (None, "must be a list"), ({"v": 1}, "must be a list"), (b"vo", "must be a list"),
+    (("v", "v"), r"repeated projection\(s\) \['v'\]"), (["o", "v", "o"], r"repeated projection\(s\) \['o'\]"),
+    (("V", "O"), r"unknown projection\(s\) \['V', 'O'\]"),
+])
+def test_moe_projections_are_a_list_of_distinct_names(value, message):
+    for make in (ModelConfig, PRESETS["tiny-switchhead"].replace):
+        with pytest.raises(ConfigError, match=f"ModelConfig.moe_projections.*{message}"):
+            make(moe_projections=value)
+    if not isinstance(value, bytes):
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_json(json.dumps({"moe_projections": value}))
+
+
+@pytest.mark.parametrize("text,repeated", [
+    ('{"k": 2, "k": 3}', "k"), ('{"d_model": 64, "k": 2, "d_model": 64}', "d_model"),
+    ('{"n_heads": 2, "k": 1, "n_heads": 1, "k": 1}', "k, n_heads"),
+])
+def test_repeated_json_keys_are_refused(text, repeated, tmp_path):
+    with pytest.raises(ConfigError, match=f"duplicate config key\\(s\\): {repeated}$"):
+        ModelConfig.from_json(text)
+    (tmp_path / "c.json").write_text(text)
+    r = CliRunner().invoke(main, ["info", "--config", str(tmp_path / "c.json")])
+    assert r.exit_code == 2 and r.output.strip().endswith(f"c.json: duplicate config key(s): {repeated}"), r.output
 
 
 def test_moe_projection_order_is_canonical():
@@ -230,12 +258,14 @@ def test_a_directory_is_not_a_config_file(tmp_path):
         resolve_config(str(tmp_path))
 
 
-def test_info_header_names_what_each_attention_routes():
+def test_info_header_names_what_each_attention_routes(tmp_path):
     out = {name: CliRunner().invoke(main, ["info", "--config", name]).output.splitlines()[0]
            for name in ("tiny-moa", "switchhead-47m-shared", "switchhead-47m", "tiny-transformer")}
     assert "E=4 k=2 query/output experts, shared K/V" in out["tiny-moa"] and "MoE" not in out["tiny-moa"]
     assert "MoE V/O, shared selection" in out["switchhead-47m-shared"]
     assert "MoE V/O;" in out["switchhead-47m"] and "E=" not in out["tiny-transformer"]
+    (tmp_path / "c.json").write_text('{"moe_projections": []}')
+    assert "MoE none;" in CliRunner().invoke(main, ["info", "--config", str(tmp_path / "c.json")]).output
 
 
 def test_match_params_for_rope_and_coarse_valid_values():

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from switchhead.errors import ConfigError, is_finite_number, is_int
+from switchhead.errors import ConfigError, brief, is_finite_number, is_int
 from switchhead.fileio import read_utf8
 
 ATTENTION_KINDS = ("switchhead", "dense", "moa")
@@ -53,6 +53,10 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
+        # A string is iterable too: "vo" would otherwise pass as ("v", "o"), and "vv" as ("v",).
+        if isinstance(self.moe_projections, str) or not isinstance(self.moe_projections, (list, tuple)):
+            raise ConfigError(f"ModelConfig.moe_projections must be a list of projections from {PROJECTIONS} "
+                              f"such as [\"v\", \"o\"], got {brief(self.moe_projections)}")
         object.__setattr__(self, "moe_projections", tuple(self.moe_projections))
         positive = ["vocab_size", "d_model", "n_layers", "d_ff", "n_heads", "d_head", "n_experts", "k",
                     "chunk_len", "ff_n_experts", "ff_expert_size", "ff_k"]
@@ -85,6 +89,11 @@ class ModelConfig:
         bad = [p for p in self.moe_projections if p not in PROJECTIONS]
         if bad:
             raise ConfigError(f"ModelConfig.moe_projections: unknown projection(s) {bad}; choose from {PROJECTIONS}")
+        # The canonical order below would drop a repeat unnoticed, and a repeat is a typo, not a choice.
+        repeated = sorted({p for p in self.moe_projections if self.moe_projections.count(p) > 1})
+        if repeated:
+            raise ConfigError(f"ModelConfig.moe_projections: repeated projection(s) {repeated}; "
+                              f"list each of {PROJECTIONS} at most once")
         # Canonical order so that equal sets compare (and serialise) equal.
         object.__setattr__(self, "moe_projections", tuple(p for p in PROJECTIONS if p in self.moe_projections))
         if not is_int(self.mem_chunks) or self.mem_chunks not in (0, 1):
@@ -132,23 +141,28 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"a model config must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(repr(k) if not isinstance(k, str) else k for k in set(d) - known)  # a dict may hold any key
         if unknown:
             raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
-        d = dict(d)
-        if "moe_projections" in d:
-            if isinstance(d["moe_projections"], str) or not isinstance(d["moe_projections"], (list, tuple)):
-                raise ConfigError("ModelConfig.moe_projections must be a list such as [\"v\", \"o\"]")
-            d["moe_projections"] = tuple(d["moe_projections"])
         return cls(**d)
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         try:
-            d = json.loads(text)
+            d = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
         except json.JSONDecodeError as e:
             raise ConfigError(f"config is not valid JSON: {e}") from None
         return cls.from_dict(d)
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    # json.loads keeps the last of repeated keys: {"k": 2, "k": 3} would silently mean k=3.
+    d = dict(pairs)
+    if len(d) < len(pairs):
+        keys = [k for k, _ in pairs]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        raise ConfigError(f"duplicate config key(s): {', '.join(repeated)}")
+    return d
 
 
 def _preset(name: str, **kw) -> ModelConfig:
