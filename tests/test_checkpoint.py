@@ -201,3 +201,59 @@ def test_every_variant_and_dtype_reloads_to_identical_outputs(tmp_path, cfg, dty
     with torch.no_grad():
         (want, want_mem), (got, got_mem) = model(ids), loaded(ids)
     assert torch.equal(want, got) and (want_mem is None or torch.equal(want_mem, got_mem))
+
+
+def test_tied_weights_save_and_reload_to_identical_outputs(tmp_path):
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS["tiny-switchhead"]).eval()
+    model.out.weight = model.embed.weight  # tied by the user: two names, one storage
+    switchhead.save(tmp_path / "ck", model)
+    loaded, _ = switchhead.load(tmp_path / "ck")
+    assert torch.equal(loaded.out.weight, model.embed.weight) and torch.equal(loaded.embed.weight, model.embed.weight)
+    ids = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], loaded(ids)[0])
+
+
+def test_dtypes_the_model_cannot_compute_in_are_refused(ckpt, tmp_path):
+    f8 = torch.float8_e4m3fn
+    with pytest.raises(CheckpointError, match="dtype must be a floating-point torch.dtype"):
+        switchhead.load(ckpt, dtype=f8)
+    model = TransformerLM(PRESETS["tiny-switchhead"])
+    model.out.bias.data = model.out.bias.data.to(f8)
+    with pytest.raises(CheckpointError, match="cannot save: .*out.bias has dtype float8_e4m3fn"):
+        switchhead.save(tmp_path / "f8", model)
+    assert not (tmp_path / "f8").exists()
+    _edit_weights(ckpt, lambda t: t.update({"out.bias": t["out.bias"].to(f8)}))
+    with pytest.raises(CheckpointError, match="out.bias has dtype float8_e4m3fn, the model expects a floating-point"):
+        switchhead.load(ckpt)
+
+
+def test_mixed_dtypes_load_only_cast_to_one(ckpt):
+    _edit_weights(ckpt, lambda t: t.update({"out.weight": t["out.weight"].half()}))
+    with pytest.raises(CheckpointError, match="model.safetensors mixes dtypes \\(float16, float32\\); pass a dtype"):
+        switchhead.load(ckpt, dtype=None)
+    model, tok = switchhead.load(ckpt, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model(torch.tensor([[1, 2, 3]]))[0].dtype == torch.bfloat16
+
+
+def test_cpu_device_with_an_index_loads(ckpt):
+    want, _ = switchhead.load(ckpt)
+    for device in ("cpu:0", torch.device("cpu", 0)):
+        got, _ = switchhead.load(ckpt, device=device)
+        assert got.out.weight.device.type == "cpu" and torch.equal(got.out.weight, want.out.weight)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: m.register_buffer("scale", torch.ones(3)), "does not match its config: unexpected scale"),
+    (lambda m: setattr(m, "out", torch.nn.Linear(64, 600)), "tensor out.weight has shape \\(600, 64\\), config "
+                                                            "expects \\(512, 64\\)"),
+    (lambda m: m.to("meta"), "embed.weight is on the meta device"),
+])
+def test_save_refuses_weights_load_would_not_take(tmp_path, change, message):
+    model = TransformerLM(PRESETS["tiny-switchhead"])
+    change(model)
+    with pytest.raises(CheckpointError, match="cannot save: .*" + message):
+        switchhead.save(tmp_path / "ck", model)
+    assert not (tmp_path / "ck").exists()

@@ -21,6 +21,9 @@ from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import vocab_mismatch
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.model"
+# The dtypes the model computes in (float8 and the like hold weights but have no arithmetic here).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 # The built-in default model ships as package data (half-precision weights; see docs/RESULTS.md).
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "default"
 
@@ -57,7 +60,20 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     if tokenizer is not None and (problem := vocab_mismatch(tokenizer, model.config.vocab_size)):
         raise CheckpointError(f"the tokenizer {problem}")  # load would refuse the checkpoint
     path = check_output_dir(path, _replaceable, "a switchhead checkpoint")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    # A submodule added to the model or a layer resized after construction would be saved, then refused by load.
+    _check_weights(state, model.config, "cannot save: the model's state_dict")
+    tensors, storages = {}, set()
+    for k, v in state.items():
+        if v.is_meta:
+            raise CheckpointError(f"cannot save: tensor {k} is on the meta device and holds no values")
+        v = v.detach().contiguous().cpu()
+        # safetensors refuses tensors that share memory (weights a user tied, slices of one tensor): each is
+        # written on its own and loads as an untied copy with the same values.
+        if v.untyped_storage().data_ptr() in storages:
+            v = v.clone()
+        storages.add(v.untyped_storage().data_ptr())
+        tensors[k] = v
     if (bad := _nonfinite(tensors)) is not None:  # load refuses these: a saved checkpoint can always be loaded
         raise CheckpointError(f"cannot save: tensor {bad} has NaN or infinite values")
     with atomic_directory(path) as tmp:
@@ -122,32 +138,25 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
     Weights are cast to `dtype` (float32 by default, so half-precision checkpoints run anywhere); pass
     None to keep the stored dtype."""
     device = resolve_device(device)
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise CheckpointError(f"dtype must be a floating-point torch.dtype, or None for the stored one; got {dtype!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in DTYPES):
+        raise CheckpointError(f"dtype must be a floating-point torch.dtype ({_DTYPE_NAMES}), or None for the "
+                              f"stored one; got {dtype!r}")
     path = resolve_checkpoint(path)
     config = load_config(path)
     if not (path / WEIGHTS).is_file():
         raise CheckpointError(f"{path} is not a checkpoint: {WEIGHTS} is missing")
     try:
-        tensors = load_file(str(path / WEIGHTS), device=str(device))
+        # safetensors names the CPU "cpu" only: "cpu:0", a valid torch device, would read as a corrupt file.
+        tensors = load_file(str(path / WEIGHTS), device="cpu" if device.type == "cpu" else str(device))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path / WEIGHTS} is corrupt: {e}") from None
     with torch.device("meta"):
         model = TransformerLM(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing or extra:
-        parts = ([f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []) + \
-                ([f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"] if extra else [])
-        raise CheckpointError(f"{path / WEIGHTS} does not match its config: {'; '.join(parts)}")
-    for k, shape in expected.items():
-        if tensors[k].shape != shape:
-            raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has shape {tuple(tensors[k].shape)}, "
-                                  f"config expects {tuple(shape)}")
-        if not tensors[k].dtype.is_floating_point:  # every weight of the model is
-            raise CheckpointError(f"{path / WEIGHTS}: tensor {k} has dtype {str(tensors[k].dtype)[6:]}, the model "
-                                  "expects a floating-point dtype")
+    _check_weights(tensors, config, str(path / WEIGHTS), model)
+    if dtype is None and len(stored := {t.dtype for t in tensors.values()}) > 1:
+        # Kept as stored, the first matmul across two of them would fail with an error naming no file.
+        raise CheckpointError(f"{path / WEIGHTS} mixes dtypes ({', '.join(sorted(str(d)[6:] for d in stored))}); "
+                              "pass a dtype to load every weight as one")
     # A NaN or inf weight raises nothing later: every output is NaN, read as garbage text.
     if (bad := _nonfinite(tensors)) is not None:
         raise CheckpointError(f"{path / WEIGHTS}: tensor {bad} has NaN or infinite values")
@@ -164,6 +173,29 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
     model.load_state_dict(tensors, assign=True)
     model.eval()
     return model, read_tokenizer(path / TOKENIZER, config)
+
+
+def _check_weights(tensors: dict[str, torch.Tensor], config: ModelConfig, where: str,
+                   model: TransformerLM | None = None) -> None:
+    """A `CheckpointError` (its message starting with `where`) unless `tensors` are exactly the weights of a
+    model built from `config` (`model`, on the meta device, if already built): names, shapes and dtypes."""
+    if model is None:
+        with torch.device("meta"):
+            model = TransformerLM(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        parts = ([f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []) + \
+                ([f"unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"] if extra else [])
+        raise CheckpointError(f"{where} does not match its config: {'; '.join(parts)}")
+    for k, shape in expected.items():
+        if tensors[k].shape != shape:
+            raise CheckpointError(f"{where}: tensor {k} has shape {tuple(tensors[k].shape)}, "
+                                  f"config expects {tuple(shape)}")
+        if tensors[k].dtype not in DTYPES:  # every weight of the model is floating-point
+            raise CheckpointError(f"{where}: tensor {k} has dtype {str(tensors[k].dtype)[6:]}, the model "
+                                  f"expects a floating-point dtype ({_DTYPE_NAMES})")
 
 
 def _nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
