@@ -83,7 +83,7 @@ _BUILD = {"enable_fp_fusion": True}
 # kernel on a GPU (`python benchmarks/kernels.py --no-cpu --segments` puts both side by side).
 SEGMENTS = False
 # Segments are sorted by their expert multiset, C(E + k - 1, k) keys (220 for the 47M model's 10 experts and k = 3,
-# 136 for 262M); every program scans the keys' offsets to find its tile, so beyond this many the forward keeps to
+# 136 for 262M); every program scans the keys' offsets to find its tile, so beyond this many the products keep to
 # pairs.
 SEGMENT_MAX_SETS = 1024
 
@@ -142,7 +142,7 @@ _MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     "mma": [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)],
     "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 8, 4), (32, 32, 64, 8, 4), (32, 32, 32, 4, 4)],
 }
-# The segment forward keeps a second fp32 accumulator (the sum over the segment's experts): on the FMA units the
+# The segment kernel keeps a second fp32 accumulator (the sum over the segment's experts): on the FMA units the
 # 64-wide-column tiles spilled there (sm_90, triton 3.9: 8-32 bytes for 262M, 24 for 47M V), so it keeps the
 # 32 x 32 ones for that precision.
 _SEGMENT_TILES = {"mma": _MATMUL_TILES["mma"], "fma": [t for t in _MATMUL_TILES["fma"] if t[1] == 32]}
@@ -181,8 +181,19 @@ def _all(by_unit: dict[str, list[triton.Config]]) -> list[triton.Config]:
     return list({id(c): c for configs in by_unit.values() for c in configs}.values())
 
 
-def _min_block_n() -> int:
-    return min(c.kwargs["BLOCK_N"] for c in _all(_MATMUL_CONFIGS))
+def _oriented(weight: Tensor, transpose_weight: bool) -> tuple[int, int, int]:
+    """A tiled product's output width and the (K, N) strides it reads the weight with: W, or W^T in place."""
+    stride_wk, stride_wn = weight.stride(1), weight.stride(2)
+    if transpose_weight:
+        return weight.shape[1], stride_wn, stride_wk
+    return weight.shape[2], stride_wk, stride_wn
+
+
+def _gate_grad_partials(n_dim: int, n_pairs: int, configs: dict[str, list[triton.Config]], device) -> Tensor:
+    """The zeroed fp32 [column blocks, pairs] buffer of a gate-gradient epilogue's per-block partial sums, with
+    as many blocks as the narrowest of `configs`' tiles cuts the output width into."""
+    block_n = min(c.kwargs["BLOCK_N"] for c in _all(configs))
+    return torch.zeros(triton.cdiv(n_dim, block_n), n_pairs, dtype=torch.float32, device=device)
 
 
 def _require_runnable(t: Tensor) -> None:
@@ -440,10 +451,7 @@ def _grouped_matmul(
     summed in pair order: bitwise reproducible, at the cost of an fp32 [pairs, D] buffer.
     """
     n_experts = weight.shape[0]
-    k_dim, n_dim = a.shape[1], (weight.shape[1] if transpose_weight else weight.shape[2])
-    stride_wk, stride_wn = weight.stride(1), weight.stride(2)
-    if transpose_weight:
-        stride_wk, stride_wn = stride_wn, stride_wk
+    k_dim, (n_dim, stride_wk, stride_wn) = a.shape[1], _oriented(weight, transpose_weight)
     n_pairs = order.numel()
     per_pair = c_per > 1 and torch.are_deterministic_algorithms_enabled()
     atomic = c_per > 1 and not per_pair
@@ -451,9 +459,7 @@ def _grouped_matmul(
     c = (torch.zeros if atomic else torch.empty)(
         n_pairs if per_pair else c_rows, n_dim, dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device
     )
-    gate_grad = None
-    if partner is not None:
-        gate_grad = torch.zeros(triton.cdiv(n_dim, _min_block_n()), n_pairs, dtype=torch.float32, device=a.device)
+    gate_grad = None if partner is None else _gate_grad_partials(n_dim, n_pairs, _MATMUL_CONFIGS, a.device)
 
     def grid(meta: dict) -> tuple[int, int]:
         tiles = triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
@@ -586,18 +592,12 @@ def _segment_matmul(
     order, offsets, experts, pairs = segments
     seg = pairs.shape[1]
     sets = offsets.numel() - 1
-    k_dim, n_dim = a.shape[1], (weight.shape[1] if transpose_weight else weight.shape[2])
-    stride_wk, stride_wn = weight.stride(1), weight.stride(2)
-    if transpose_weight:
-        stride_wk, stride_wn = stride_wn, stride_wk
+    k_dim, (n_dim, stride_wk, stride_wn) = a.shape[1], _oriented(weight, transpose_weight)
     atomic = c_per > seg
     c = (torch.zeros if atomic else torch.empty)(
         c_rows, n_dim, dtype=torch.float32 if atomic else a.dtype, device=a.device
     )
-    gate_grad = None
-    if partner is not None:
-        block_n = min(cfg.kwargs["BLOCK_N"] for cfg in _all(_SEGMENT_CONFIGS))
-        gate_grad = torch.zeros(triton.cdiv(n_dim, block_n), pairs.numel(), dtype=torch.float32, device=a.device)
+    gate_grad = None if partner is None else _gate_grad_partials(n_dim, pairs.numel(), _SEGMENT_CONFIGS, a.device)
 
     def grid(meta: dict) -> tuple[int, int]:
         tiles = triton.cdiv(order.numel(), meta["BLOCK_M"]) + min(sets, order.numel())  # every set may end partial
