@@ -25,6 +25,7 @@ The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-c
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Literal, NamedTuple
 
@@ -334,13 +335,14 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
     order = torch.argsort(group, stable=True)  # stable: the weight gradient adds up in a fixed order
     slot = order.unsqueeze(1) if within is None else order.unsqueeze(1) * seg + within.index_select(0, order)
     rows = max(1, GROUPED_BLOCK_ELEMENTS // max(weight.shape[1:]))
-    sets = experts.index_select(0, order)
-    blocks, start = [], 0
-    for c in torch.bincount(group).tolist():
-        if c:
-            es = sets[start].tolist()
-            blocks += [(es, slice(b, min(b + rows, start + c))) for b in range(start, start + c, rows)]
-        start += c
+    # Each group's experts read off its first segment, for all groups in one tolist() rather than one per group.
+    starts = list(itertools.accumulate(torch.bincount(group).tolist(), initial=0))
+    used = [g for g in range(len(starts) - 1) if starts[g + 1] > starts[g]]
+    firsts = order.index_select(0, torch.tensor([starts[g] for g in used], device=order.device))
+    sets = experts.index_select(0, firsts).tolist()
+    blocks = []
+    for g, es in zip(used, sets):
+        blocks += [(es, slice(b, min(b + rows, starts[g + 1]))) for b in range(starts[g], starts[g + 1], rows)]
     first = order * seg
     gates = None if gate is None else gate.reshape(-1).index_select(0, slot.reshape(-1)).view(slot.shape).to(acc)
     return _Plan(slot, first // (slots // n_in), first // (slots // n_out), gates, blocks)
