@@ -6,6 +6,7 @@
     python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
     python benchmarks/kernels.py --n 256 4096 --regimes grouped --against REV   # beside the code at git REV
     python benchmarks/kernels.py --n 256 4096 --anatomy   # where the grouped forward's time goes
+    python benchmarks/kernels.py --n 256 1024 4096 --gemm-widths   # one expert's GEMMs, result rows padded or not
     python benchmarks/kernels.py --n 4096 16384 --regimes dense combo --device cuda --dtype bfloat16   # vs Triton
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
@@ -330,6 +331,35 @@ def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def width_table(ns: list[int], repeats: int, cases: list[Case] = CASES) -> list[str]:
+    """The GEMMs of one expert in the grouped regime (N*S/E rows) with their result rows as they are and
+    zero-padded to a multiple of `torch_paths.GEMM_ALIGN`, for each product of a training step whose result width
+    is not a multiple already: the forward, grad_x (the weight transposed) and the weight gradient (the rows
+    contracted). The operands are padded beforehand: this times the GEMMs, not the copies."""
+    lines = _table("| case | N | rows | product | result width | ms | padded ms | padded / as is |")
+    pad = torch.nn.functional.pad
+    for case in cases:
+        for n in ns:
+            rows = n * case.slots // (case.heads * case.experts)
+            g = torch.Generator().manual_seed(0)
+            x, u = torch.randn(rows, case.d_in, generator=g), torch.randn(rows, case.d_out, generator=g)
+            w = torch.randn(case.d_in, case.d_out, generator=g)
+            d_in, d_out = (-(-d // torch_paths.GEMM_ALIGN) * torch_paths.GEMM_ALIGN for d in (case.d_in, case.d_out))
+            w_out, u_out = pad(w, (0, d_out - case.d_out)), pad(u, (0, d_out - case.d_out))
+            w_in = pad(w, (0, 0, 0, d_in - case.d_in))
+            products = [  # name, result width, padded width, as is, padded
+                ("forward", case.d_out, d_out, _call(torch.mm, x, w), _call(torch.mm, x, w_out)),
+                ("grad_x", case.d_in, d_in, _call(torch.mm, u, w.t()), _call(torch.mm, u, w_in.t())),
+                ("weight grad", case.d_out, d_out, _call(torch.mm, x.t(), u), _call(torch.mm, x.t(), u_out)),
+            ]
+            for name, width, padded, as_is, with_pad in products:
+                if padded != width:
+                    t = interleaved_min_ms({"as is": as_is, "padded": with_pad}, repeats)
+                    cells = f"{t['as is']:.3f} | {t['padded']:.3f} | {t['padded'] / t['as is']:.2f}"
+                    _add_row(lines, f"| {case.name} | {n} | {rows} | {name} | {width} -> {padded} | {cells} |")
+    return lines
+
+
 def _each(fn: Callable, calls: list[tuple]) -> None:
     for args in calls:
         fn(*args)
@@ -463,6 +493,9 @@ def main() -> None:
         help="--regimes on this device; cuda: beside the Triton kernels, in GPU time and in wall time",
     )
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
+    parser.add_argument(
+        "--gemm-widths", action="store_true", help="only time one expert's GEMMs with result rows padded and not"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(
         "--segments", action="store_true", help="GPU table: also the Triton kernels over segments (SEGMENTS)"
@@ -493,6 +526,10 @@ def main() -> None:
     if args.anatomy:
         print("\n## CPU grouped forward, part by part (fp32, best of the interleaved repeats, ms)\n")
         anatomy_table(args.n, 5 if args.quick else 15)
+        return
+    if args.gemm_widths:
+        print("\n## CPU GEMMs of one expert, result rows as they are and padded (fp32, best of interleaved repeats)\n")
+        width_table(args.n, 5 if args.quick else 15)
         return
     if args.block_elements:
         print("\n## CPU grouped regime by block size (fp32, best of the interleaved repeats, ms)\n")

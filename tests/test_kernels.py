@@ -195,6 +195,28 @@ def test_blocks_add_up(shape, dtype, regime, monkeypatch):
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), dtype)
 
 
+# Widths that grouped and combo pad for their GEMMs (47 -> 48, 31 -> 32) and one too narrow to pad (19).
+PADDED_SHAPES = [
+    Shape(40, 1, 6, 2, 10, 47, 31),  # V-like, k = 3
+    Shape(40, 2, 6, 1, 10, 31, 47),  # O-like
+    Shape(33, 4, 4, 1, 6, 64, 19, routing="some_empty"),  # sigma-MoE down: neither width changes
+]
+
+
+@pytest.mark.parametrize("shape", PADDED_SHAPES, ids=str)
+@pytest.mark.parametrize("regime", ["grouped", "combo"])
+def test_padded_gemm_rows(shape, regime, monkeypatch):
+    """On the CPU in fp32, grouped and combo write their GEMMs' rows padded (GEMM_ALIGN) once the experts have
+    enough pairs; here always, and with blocks of a few rows."""
+    monkeypatch.setattr(torch_paths, "GEMM_PAD_MIN_PAIRS_PER_EXPERT", 0)
+    monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 8 * 64)
+    exact, cast = make(shape)
+    x, _, index, _, _ = cast
+    widths = [torch_paths._gemm_width(d, x, index, shape.experts) for d in (shape.d_in, shape.d_out)]
+    assert (widths != [shape.d_in, shape.d_out]) == (shape.d_out != 19)  # the shapes test what they say
+    assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), torch.float32)
+
+
 @pytest.mark.parametrize("regime", ["grouped", "combo"])
 def test_torch_weight_grad_is_deterministic(regime, monkeypatch):
     monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 24 * 50)  # 50 rows: several blocks per expert
@@ -749,6 +771,19 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]
     assert all(len(r) == 2 + 2 * 4 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
+
+
+def test_gemm_width_table_lists_the_unaligned_products():
+    """`benchmarks/kernels.py --gemm-widths`: one row per product whose result rows are not a multiple of
+    GEMM_ALIGN wide, the padded time beside the time as is."""
+    bench_module = _benchmark_module()
+    Case = bench_module.Case
+    cases = [Case("V", 40, 19, 1, 2, 2, 3, 2), Case("aligned", 32, 16, 2, 1, 2, 3, 2)]
+    rows = [line.strip("|").split("|") for line in bench_module.width_table([30], 1, cases)[2:]]
+    assert [(r[0].strip(), int(r[2]), r[3].strip(), r[4].strip()) for r in rows] == [
+        ("V", 20, "forward", "19 -> 32"), ("V", 20, "grad_x", "40 -> 48"), ("V", 20, "weight grad", "19 -> 32")
+    ]
+    assert all(float(r[5]) > 0 and float(r[6]) > 0 and float(r[7]) > 0 for r in rows), rows
 
 
 @contextmanager

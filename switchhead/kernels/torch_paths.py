@@ -66,6 +66,16 @@ DENSE_BROADCAST_MAX_ROWS = 64
 # `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
 # the fastest or within 3 % of it in every case, while each other size was ~20 % behind somewhere.
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
+# The GEMMs of grouped and combo write rows narrower than GEMM_PAD_MAX_WIDTH padded to a multiple of GEMM_ALIGN
+# elements (zero-padded weight and gradient, sliced at the end) where that adds at most 1/16 to the width and the
+# experts have enough pairs to repay copying the weight. `python benchmarks/kernels.py --threads 1 --n 256 1024 4096
+# --gemm-widths` (an AVX2 CPU, MKL): one expert's GEMMs took 0.83-1.00x the time with 76-wide results padded to 80
+# and 0.82-1.00x with 412 padded to 416. In the whole regimes (docs/BENCHMARKS.md, "Padded GEMM rows") the gain
+# is at most that and mostly inside this machine's noise: 47M at N = 4096 (2457 pairs per expert) took 0.85-0.98x;
+# for 412-wide rows and N <= 1024 the runs disagreed, the weight copy and the final slice taking back the rest.
+GEMM_ALIGN = 16
+GEMM_PAD_MAX_WIDTH = 256
+GEMM_PAD_MIN_PAIRS_PER_EXPERT = 2048
 
 # bf16 inputs on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX): one big bf16 GEMM runs at about twice
 # the fp32 rate, while grouped and combo keep their gathers, fp32 conversions and index_adds around thinner GEMMs,
@@ -348,6 +358,18 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
     return _Plan(slot, first // (slots // n_in), first // (slots // n_out), gates, blocks)
 
 
+def _gemm_width(d: int, x: Tensor, index: Tensor, n_experts: int) -> int:
+    """Width of the rows the blocked regimes' GEMMs write (see GEMM_ALIGN): d, or d padded on the CPU in fp32."""
+    padded = -(-d // GEMM_ALIGN) * GEMM_ALIGN
+    pays = 16 * (padded - d) <= d < GEMM_PAD_MAX_WIDTH and index.numel() >= GEMM_PAD_MIN_PAIRS_PER_EXPERT * n_experts
+    return padded if pays and x.device.type == "cpu" and x.dtype == torch.float32 else d
+
+
+def _padded(t: Tensor, width: int) -> Tensor:
+    """t with its last dimension zero-padded to `width`."""
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, seg: int) -> Tensor:
     n = index.shape[0]
     d_in, d_out = weight.shape[1:]
@@ -356,7 +378,9 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
     _, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], n_out, acc, seg)
     # Gate whichever side of the product is narrower (for fp32; half inputs are gated after the cast to fp32).
     gate_rows = gate is not None and x.dtype == acc and d_in < d_out
-    out = torch.zeros(n * n_out, d_out, dtype=acc, device=x.device)
+    width = _gemm_width(d_out, x, index, weight.shape[0])
+    weight = _padded(weight, width)
+    out = torch.zeros(n * n_out, width, dtype=acc, device=x.device)
     for experts, b in blocks:
         rows = x2.index_select(0, src[b])  # once for the segment's experts
         y = None
@@ -371,7 +395,7 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
                 t.mul_(gates[b, j : j + 1])
             y = t if y is None else y.add_(t)
         out.index_add_(0, dst[b], y)
-    return out.view(n, n_out, d_out).to(x.dtype)
+    return out.view(n, n_out, width)[..., :d_out].to(x.dtype).contiguous()
 
 
 def _segments_backward(
@@ -380,10 +404,14 @@ def _segments_backward(
     n, slots = index.shape
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
-    x2, g2 = x.reshape(-1, d_in), grad.reshape(-1, d_out).to(x.dtype)
+    # Result rows padded where `_gemm_width` says so: grad_x's (weight padded along D_in) and the weight gradient's
+    # (grad padded along D_out; the products with grad read its first D_out columns only).
+    in_w, out_w = (_gemm_width(d, x, index, weight.shape[0]) for d in (d_in, d_out))
+    x2, g2 = x.reshape(-1, d_in), _padded(grad.reshape(-1, d_out).to(x.dtype), out_w)
     slot, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc, seg)
-    grad_x = torch.zeros(n * x.shape[1], d_in, dtype=acc, device=x.device)
-    grad_w = torch.zeros_like(weight, dtype=acc)  # blocks of one expert add up here
+    weight = torch.nn.functional.pad(weight, (0, 0, 0, in_w - d_in)) if in_w != d_in else weight
+    grad_x = torch.zeros(n * x.shape[1], in_w, dtype=acc, device=x.device)
+    grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device)  # one expert's blocks add up here
     need_gate_grad = need_gate_grad and gates is not None
     gate_grad_sorted = torch.empty(slot.shape, dtype=acc, device=x.device) if need_gate_grad else None
     for experts, b in blocks:
@@ -392,12 +420,12 @@ def _segments_backward(
         for j, e in enumerate(experts):
             # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u>
             # (= <x @ W, g>), so the forward is never recomputed: three GEMMs per expert, as for a linear layer.
-            u = (gs @ weight[e].t()).to(acc)
+            u = (gs[:, :d_out] @ weight[e].t()).to(acc)
             xs_j, gs_j = xs, gs
             if gates is not None:
                 g = gates[b, j : j + 1]
                 if need_gate_grad:
-                    gate_grad_sorted[b, j] = (u * xs.to(acc)).sum(-1)
+                    gate_grad_sorted[b, j] = (u[:, :d_in] * xs.to(acc)).sum(-1)
                 u.mul_(g)
                 if d_in < d_out:  # gate the narrower side of the weight-gradient product
                     xs_j = (xs.to(acc) * g).to(x.dtype)
@@ -414,7 +442,8 @@ def _segments_backward(
         grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
         grad_gate.index_copy_(0, slot.reshape(-1), gate_grad_sorted.reshape(-1).to(gate.dtype))
         grad_gate = grad_gate.view(n, slots)
-    return grad_x.view_as(x).to(x.dtype), grad_w.to(weight.dtype), grad_gate
+    grad_x = grad_x[:, :d_in].reshape(x.shape).to(x.dtype).contiguous()
+    return grad_x, grad_w[..., :d_out].to(weight.dtype).contiguous(), grad_gate
 
 
 def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
