@@ -553,6 +553,16 @@ def test_no_tokens(shape, name, backend):
     assert gw.shape == w.shape and not gw.any()
 
 
+@pytest.mark.parametrize("regime", REGIMES)
+def test_regimes_take_no_tokens(regime):
+    """Each PyTorch regime called directly (as benchmarks/kernels.py does; the op returns before them) with N = 0."""
+    empty = Shape(0, *[getattr(SHAPES[3], f) for f in ("n_in", "slots", "n_out", "experts", "d_in", "d_out")])
+    _, (x, w, index, gate, grad) = make(empty)
+    assert torch_paths.FORWARD[regime](x, w, index, gate, empty.n_out).shape == (0, empty.n_out, empty.d_out)
+    gx, gw, gg = torch_paths.BACKWARD[regime](grad, x, w, index, gate, True)
+    assert gx.shape == x.shape and gg.shape == gate.shape and gw.shape == w.shape and not gw.any()
+
+
 @pytest.mark.parametrize("n", [1, 20, 300])  # gather, dense and grouped regimes
 @pytest.mark.parametrize("bad", [-1, 8, 1000])
 def test_index_outside_the_experts_is_rejected(n, bad):

@@ -198,18 +198,19 @@ def gather_backward(
     acc = _acc_dtype(x)
     flat = index.reshape(-1)
     w = weight.index_select(0, flat).to(x.dtype)  # [P, D_in, D_out]
-    xs = _per_slot(x, slots).reshape(n * slots, -1)
-    gs = _per_slot(grad, slots).reshape(n * slots, 1, -1).to(x.dtype)
-    u = torch.bmm(gs, w.transpose(1, 2)).view(n * slots, -1).to(acc)  # un-gated; <x, u> is the gate gradient
+    d_in, d_out = weight.shape[1:]  # named, not -1: with no tokens a -1 would be ambiguous
+    xs = _per_slot(x, slots).reshape(n * slots, d_in)
+    gs = _per_slot(grad, slots).reshape(n * slots, 1, d_out).to(x.dtype)
+    u = torch.bmm(gs, w.transpose(1, 2)).view(n * slots, d_in).to(acc)  # un-gated; <x, u> is the gate gradient
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if gate is not None:
         g = gate.reshape(-1, 1).to(acc)
         if need_gate_grad:
             grad_gate = (u * xs.to(acc)).sum(-1).view(n, slots).to(gate.dtype)
         u = u * g
-        gs = (gs.view(n * slots, -1).to(acc) * g).to(x.dtype)
-    grad_x = _reduce_slots(u.view(n, slots, -1), x.shape[1]).to(x.dtype)
-    outer = xs.unsqueeze(2).to(acc) * gs.view(n * slots, 1, -1).to(acc)  # [P, D_in, D_out]
+        gs = (gs.view(n * slots, d_out).to(acc) * g).to(x.dtype)
+    grad_x = _reduce_slots(u.view(n, slots, d_in), x.shape[1]).to(x.dtype)
+    outer = xs.unsqueeze(2).to(acc) * gs.view(n * slots, 1, d_out).to(acc)  # [P, D_in, D_out]
     grad_w = torch.zeros_like(weight, dtype=acc).index_add_(0, flat, outer).to(weight.dtype)
     return grad_x, grad_w, grad_gate
 
@@ -348,7 +349,7 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
     # Each group's experts read off its first segment, for all groups in one tolist() rather than one per group.
     starts = list(itertools.accumulate(torch.bincount(group).tolist(), initial=0))
     used = [g for g in range(len(starts) - 1) if starts[g + 1] > starts[g]]
-    firsts = order.index_select(0, torch.tensor([starts[g] for g in used], device=order.device))
+    firsts = order.index_select(0, torch.tensor([starts[g] for g in used], dtype=torch.long, device=order.device))
     sets = experts.index_select(0, firsts).tolist()
     blocks = []
     for g, es in zip(used, sets):
