@@ -283,10 +283,10 @@ def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
 
 def anatomy_table(ns: list[int], repeats: int) -> list[str]:
     """Where the grouped forward's time goes: its plan (sort, blocks), row gathers, per-block GEMMs and
-    index_adds, each timed alone on the same blocks, beside the same-FLOP matmul; and the same GEMMs with both
-    widths zero-padded to a multiple of 16, to show what odd widths (76, 412) cost the CPU GEMM."""
+    index_adds, each timed alone on the same blocks (result rows as wide as the regime makes them), beside the
+    same-FLOP matmul; and the same GEMMs with both widths zero-padded to a multiple of 16."""
     lines = _table(
-        "| case | N | matmul ms | grouped ms | plan | gathers | GEMMs | index_adds | GEMMs, widths padded to 16 "
+        "| case | N | matmul ms | grouped ms | plan | gathers | GEMMs | index_adds | GEMMs, both widths padded to 16 "
         "| matmul GFLOP/s | GEMMs GFLOP/s |"
     )
     for case in CASES:
@@ -310,11 +310,14 @@ def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
     plan = torch_paths._plan(index, gate, w, case.n_in, case.n_out, acc, 1)
     blocks = [(experts[0], b) for experts, b in plan.blocks]
     rows = [x2.index_select(0, plan.src[b]) for _, b in blocks]
-    products = [r @ w[e] for (e, _), r in zip(blocks, rows)]
+    # the result rows as wide as the regime makes them (padded for narrow rows and many pairs: GEMM_ALIGN)
+    width = torch_paths._gemm_width(case.d_out, x, index, w.shape[0])
+    w_run = torch_paths._padded(w, width)
+    products = [r @ w_run[e] for (e, _), r in zip(blocks, rows)]
     d_in, d_out = (-(-d // 16) * 16 for d in (case.d_in, case.d_out))
     w_pad = torch.nn.functional.pad(w, (0, d_out - case.d_out, 0, d_in - case.d_in))
     rows_pad = [torch.nn.functional.pad(r, (0, d_in - case.d_in)) for r in rows]
-    out = torch.zeros(n * case.n_out, case.d_out)
+    out = torch.zeros(n * case.n_out, width)
     gemms = [(e, r) for (e, _), r in zip(blocks, rows)]
     gemms_padded = [(e, r) for (e, _), r in zip(blocks, rows_pad)]
     adds = [(b, y) for (_, b), y in zip(blocks, products)]
@@ -325,7 +328,7 @@ def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
         "grouped": _call(torch_paths.grouped_forward, x, w, index, gate, case.n_out),
         "plan": _call(torch_paths._plan, index, gate, w, case.n_in, case.n_out, acc, 1),
         "gathers": _call(_each, lambda b: x2.index_select(0, plan.src[b]), [(b,) for _, b in blocks]),
-        "GEMMs": _call(_each, lambda e, r: r @ w[e], gemms),
+        "GEMMs": _call(_each, lambda e, r: r @ w_run[e], gemms),
         "index_adds": _call(_each, lambda b, y: out.index_add_(0, plan.dst[b], y), adds),
         "padded": _call(_each, lambda e, r: r @ w_pad[e], gemms_padded),
     }
@@ -473,18 +476,21 @@ def _with_segments(fn: Callable[[], object]) -> Callable[[], object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--n", type=int, nargs="*", default=[1, 16, 256, 4096], help="token counts")
-    parser.add_argument("--no-cpu", action="store_true")
+    parser.add_argument("--n", type=int, nargs="+", default=[1, 16, 256, 4096], help="token counts")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU table (the GPU one runs where CUDA is)")
     parser.add_argument(
         "--block-elements",
         type=int,
-        nargs="*",
+        nargs="+",
         help="only time the grouped regime at these block sizes (0: whole experts)",
     )
-    parser.add_argument("--regimes", nargs="*", choices=list(torch_paths.FORWARD), help="only time these regimes")
+    parser.add_argument("--regimes", nargs="+", choices=list(torch_paths.FORWARD), help="only time these regimes")
     parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="op table and --regimes dtype"
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="op table and --regimes dtype (--anatomy, --block-elements and --gemm-widths are fp32)",
     )
     parser.add_argument(
         "--device",
@@ -501,6 +507,8 @@ def main() -> None:
         "--segments", action="store_true", help="GPU table: also the Triton kernels over segments (SEGMENTS)"
     )
     args = parser.parse_args()
+    if min(args.n) < 1 or args.threads < 0 or min(args.block_elements or [0]) < 0:
+        parser.error("--n must be at least 1, --threads and --block-elements at least 0")
     if args.against and not args.regimes:
         parser.error("--against needs --regimes (it times named regimes beside their old code)")
     if args.threads:
