@@ -64,13 +64,15 @@ def tuning(kernel) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="*", default=[4096, 16384], help="token counts")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--tuning", action="store_true", help="print the autotuner's timings too")
     parser.add_argument("--other", action="store_true", help="list the kernels counted as 'other' too")
     parser.add_argument("--segments", action="store_true", help="the Triton kernels over segments where they apply")
     args = parser.parse_args()
+    if any(n < 1 for n in args.n):
+        parser.error(f"--n: token counts must be >= 1, got {' '.join(map(str, args.n))}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     os.environ.setdefault("SWITCHHEAD_KERNEL", "triton")

@@ -65,9 +65,11 @@ def main() -> None:
     parser.add_argument("--configs", action="store_true", help="one row per autotune config")
     parser.add_argument("--align", type=int, default=triton_kernels.ALIGN, help="pad rows to this many elements")
     parser.add_argument("--every-tile", action="store_true", help="skip the autotuner's per-precision pruning")
-    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--arch", type=int, default=90, help="GPU compute capability to build for (90: sm_90, H100)")
     parser.add_argument("--segments", action="store_true", help="the kernels over segments where they apply")
     args = parser.parse_args()
+    if args.align < 1:
+        parser.error(f"--align must be >= 1 (1: no padding), got {args.align}")
     triton_kernels.ALIGN = args.align
     triton_kernels.SEGMENTS = args.segments
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import switchhead
+from switchhead.errors import SwitchheadError
 
 
 def newline_top_share(logits: torch.Tensor, newline: int) -> float:
@@ -24,16 +25,27 @@ def newline_top_share(logits: torch.Tensor, newline: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt")
-    ap.add_argument("--data", default="../shared/data")
-    ap.add_argument("--passages", type=int, default=200)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", help="checkpoint directory (default: the built-in model)")
+    ap.add_argument("--data", default="../shared/data",
+                    help="data folder with corpus/pride_and_prejudice.txt and evals/lambada/lambada_test.jsonl")
+    ap.add_argument("--passages", type=int, default=200, help="score the first this many LAMBADA passages")
     args = ap.parse_args()
-    model, sp = switchhead.load(args.ckpt)
+    if args.passages < 1:
+        ap.error(f"--passages must be >= 1, got {args.passages}")
+    book_file = Path(args.data) / "corpus" / "pride_and_prejudice.txt"
+    lambada_file = Path(args.data) / "evals" / "lambada" / "lambada_test.jsonl"
+    for path in (book_file, lambada_file):
+        if not path.is_file():
+            ap.error(f"--data {args.data}: no file {path}")
+    try:
+        model, sp = switchhead.load(args.ckpt)
+    except SwitchheadError as e:
+        ap.error(f"--ckpt {args.ckpt}: {e}")
     newline = sp.piece_to_id("\n")
     T = model.config.chunk_len
 
-    book = (Path(args.data) / "corpus" / "pride_and_prejudice.txt").read_text()[200_000:210_000]
+    book = book_file.read_text()[200_000:210_000]
     ids = sp.encode(book)[: 4 * T + 1]
     x, y = torch.tensor([ids[:-1]]), torch.tensor(ids[1:])
     with torch.no_grad():
@@ -46,8 +58,7 @@ def main() -> None:
         print(f"book passage: line break is the top prediction at {newline_top_share(logits[0], newline):.1%} "
               "of positions")
 
-        rows = [json.loads(line) for line in (Path(args.data) / "evals" / "lambada" / "lambada_test.jsonl")
-                .read_text().splitlines()[: args.passages]]
+        rows = [json.loads(line) for line in lambada_file.read_text().splitlines()[: args.passages]]
         shares, target_lp = [], []
         for r in rows:
             context, _ = r["text"].rsplit(" ", 1)

@@ -85,14 +85,29 @@ def perplexity(ckpt: str, text: str, n_tokens: int, threads: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="tiny-switchhead,switchhead-47m")
+    ap.add_argument("--configs", default="tiny-switchhead,switchhead-47m",
+                    help="comma-separated model presets to time (random weights)")
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per measurement")
     ap.add_argument("--repeats", type=int, default=3, help="best of this many runs")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="CPU threads for torch and ONNX Runtime (default: torch's)")
     ap.add_argument("--ppl-ckpt", help="measure perplexity of this checkpoint instead of speed")
-    ap.add_argument("--ppl-text", default="../shared/data/heldout/wikitext103_test.tokens.txt")
+    ap.add_argument("--ppl-text", default="../shared/data/heldout/wikitext103_test.tokens.txt",
+                    help="held-out text file that --ppl-ckpt is scored on")
     ap.add_argument("--ppl-tokens", type=int, default=8192)
     args = ap.parse_args()
+    # Checked here, not where they are used: the exports before them take minutes.
+    for name in ("tokens", "repeats", "threads", "ppl_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in configs if name not in PRESETS]
+    if unknown:
+        ap.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(sorted(PRESETS))})")
+    if args.ppl_ckpt and not Path(args.ppl_text).is_file():
+        ap.error(f"--ppl-text: no file {args.ppl_text}")
+    if not args.ppl_ckpt and not configs:
+        ap.error("--configs is empty and there is no --ppl-ckpt: nothing to measure")
     torch.set_num_threads(args.threads)
     if args.ppl_ckpt:
         perplexity(args.ppl_ckpt, args.ppl_text, args.ppl_tokens, args.threads)
@@ -101,7 +116,7 @@ def main() -> None:
           f"torch {torch.__version__}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs.split(","):
+        for name in configs:
             torch.manual_seed(0)
             cfg = PRESETS[name].replace(dropout=0.0)
             model = TransformerLM(cfg).eval()

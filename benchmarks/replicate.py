@@ -35,6 +35,7 @@ SHARED = REPO.parent / "shared" / "data"
 DEFAULT_CORPUS = SHARED / "corpus"
 DEFAULT_HELDOUT = SHARED / "heldout" / "wikitext103_valid.tokens.txt"
 MATCH_TOLERANCE = 0.02
+MODELS = ("switchhead", "dense-10head", "dense-2head")  # the keys of build_configs(), for --only before any work
 
 
 def build_configs(d_model: int, n_layers: int, d_ff: int, d_head: int, chunk_len: int, vocab_size: int,
@@ -120,7 +121,8 @@ def main(argv=None) -> None:
                    help="autocast dtype (bfloat16 is several times faster on CPUs with AVX512-BF16/AMX)")
     p.add_argument("--no-unwrap", dest="unwrap", action="store_false",
                    help="tokenize the hard-wrapped books verbatim instead of one line per paragraph")
-    p.add_argument("--only", nargs="*", help="run only these models (switchhead, dense-10head, dense-2head)")
+    p.add_argument("--only", nargs="*", choices=MODELS, metavar="MODEL",
+                   help=f"run only these models ({', '.join(MODELS)})")
     p.add_argument("--smoke", action="store_true", help="tiny sizes and few steps: checks the pipeline only")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

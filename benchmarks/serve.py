@@ -88,7 +88,8 @@ class Client(threading.Thread):
         self.latency, self.ttft, self.tokens, self.failed, self.errors = [], [], 0, 0, []
 
     def body(self) -> dict:
-        prompt = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(2, self.args.prompt_words)))
+        words = self.rng.randint(min(2, self.args.prompt_words), self.args.prompt_words)
+        prompt = " ".join(self.rng.choice(WORDS) for _ in range(words))
         return {"model": "tiny", "prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": 0.8,
                 "seed": self.rng.randrange(2**31), "stream": self.args.stream,
                 "stream_options": {"include_usage": True} if self.args.stream else None}
@@ -101,6 +102,8 @@ class Client(threading.Thread):
                     if self.args.stream:
                         first, n = None, 0
                         with c.stream("POST", "/v1/completions", json=self.body()) as r:
+                            if r.is_error:
+                                r.read()  # the server's reason, for the report
                             r.raise_for_status()
                             for line in r.iter_lines():
                                 if line.startswith("data: {"):
@@ -119,7 +122,9 @@ class Client(threading.Thread):
                     self.tokens += n
                 except Exception as e:  # counted and reported, the load goes on
                     self.failed += 1
-                    self.errors.append(repr(e)[:200])
+                    error = f"HTTP {e.response.status_code}: {e.response.text}" if isinstance(
+                        e, httpx.HTTPStatusError) else repr(e)
+                    self.errors.append(error[:200])
 
 
 def main() -> None:
@@ -129,11 +134,16 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--prompt-words", type=int, default=24)
+    ap.add_argument("--prompt-words", type=int, default=24, help="prompts of 2 to this many random words")
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = ap.parse_args()
+    for name in ("clients", "max_batch", "max_tokens", "prompt_words", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.duration <= 0:
+        ap.error(f"--duration must be > 0 seconds, got {args.duration}")
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or tiny_checkpoint(Path(tmp))
@@ -141,7 +151,8 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-c", "from switchhead.cli import main; main()", "serve", "--ckpt", ckpt,
                "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(args.max_batch),
-               "--max-queue", str(max(64, args.clients)), "--model-name", "tiny", "--threads", str(args.threads)]
+               "--max-queue", str(max(64, args.clients)), "--model-name", "tiny", "--threads", str(args.threads),
+               "--max-tokens", str(args.max_tokens)]  # its limit, so that it accepts every --max-tokens >= 1
         server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             t0 = time.monotonic()
@@ -156,7 +167,11 @@ def main() -> None:
                 time.sleep(0.1)
             warm = Client(url, 0, time.monotonic() + 3, args)
             warm.run()
+            if warm.failed:  # the measured requests would fail the same way
+                raise SystemExit(f"{warm.failed} of {warm.failed + len(warm.latency)} warm-up requests failed, "
+                                 f"the first with {warm.errors[0]}")
             rss_before = rss_mib(server.pid)
+            steps_before = httpx.get(url + "/health").json()["steps"]  # the counter includes the warm-up
             start = time.monotonic()
             clients = [Client(url, i + 1, start + args.duration, args) for i in range(args.clients)]
             for c in clients:
@@ -183,7 +198,7 @@ def main() -> None:
         "tokens_per_s": round(sum(c.tokens for c in clients) / wall, 1),
         "p50_latency_s": round(pct(lat, 0.5), 3), "p99_latency_s": round(pct(lat, 0.99), 3),
         "rss_before_mib": round(rss_before, 1), "rss_after_mib": round(rss_after, 1),
-        "server_steps": steps,
+        "server_steps": steps - steps_before,
     }
     if ttft:
         out["p50_ttft_s"], out["p99_ttft_s"] = round(pct(ttft, 0.5), 3), round(pct(ttft, 0.99), 3)

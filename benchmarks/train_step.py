@@ -46,7 +46,7 @@ def step_fn(config: str, batch: int, dtype: torch.dtype) -> Callable[[], None]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="switchhead-47m", choices=sorted(PRESETS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -54,6 +54,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
+    for name in ("batch", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     step = step_fn(args.config, args.batch, getattr(torch, args.dtype))
