@@ -553,6 +553,46 @@ def test_no_tokens(shape, name, backend):
     assert gw.shape == w.shape and not gw.any()
 
 
+@pytest.mark.parametrize("strided", ["weight", "x"])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_fake_backward_has_the_real_gradients_strides(strided, regime, monkeypatch):
+    """torch.compile (inductor) asserts that the real backward's results have the fake's strides: with a transposed
+    weight (as nn.Linear stores its own) or a permuted x both must be contiguous."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(torch_paths, "choose_regime", lambda *a, **k: regime)
+    g = torch.Generator().manual_seed(3)
+    n, e = 40, 6
+    x = torch.randn(5, n, 1, generator=g).permute(1, 2, 0) if strided == "x" else torch.randn(n, 1, 5, generator=g)
+    w = torch.randn(e, 3, 5, generator=g).transpose(1, 2) if strided == "weight" else torch.randn(e, 5, 3, generator=g)
+    args = (torch.randn(n, 2, 3, generator=g), x, w, torch.randint(0, e, (n, 4), generator=g), torch.rand(n, 4), True)
+    real = torch.ops.switchhead.expert_projection_backward(*args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.switchhead.expert_projection_backward(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        )
+    assert [(t.shape, t.stride()) for t in fake] == [(t.shape, t.stride()) for t in real]
+
+
+def test_triton_refuses_float64(monkeypatch):
+    """The Triton kernels accumulate in float32: forcing them on float64 is an error (auto sends it to PyTorch)."""
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    with pytest.raises(KernelBackendError, match="float64"):
+        expert_projection(x.double(), w.double(), index, gate.double(), SHAPES[3].n_out)
+
+
+@pytest.mark.parametrize("bad", ["no input width", "integer gate"])
+def test_op_names_an_empty_input_width_or_a_non_float_gate(bad):
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    if bad == "no input width":
+        x, w = x[..., :0], w[:, :0]
+    else:
+        gate = (gate * 10).long()
+    with pytest.raises(RuntimeError, match=r"floating-point gate .* D_in, D_out >= 1"):
+        expert_projection(x, w, index, gate, SHAPES[3].n_out)
+
+
 @pytest.mark.parametrize("regime", REGIMES)
 def test_regimes_take_no_tokens(regime):
     """Each PyTorch regime called directly (as benchmarks/kernels.py does; the op returns before them) with N = 0."""

@@ -26,13 +26,15 @@ gradient is bitwise reproducible run to run by construction (so are the PyTorch 
 forward and input gradient add the slots that share a row with atomics unless
 torch.use_deterministic_algorithms(True) is set.
 
-Reverse-mode autograd only: like any torch.library custom op with just `register_autograd`, torch.func
-transforms refuse it and torch.autograd.forward_ad silently gives its output a zero tangent.
+Reverse-mode autograd only: like any torch.library custom op with just `register_autograd`, torch.func's
+reverse-mode transforms (`grad`, `jacrev`) refuse it, while forward mode (torch.autograd.forward_ad,
+`torch.func.jvp`, `jacfwd`) silently gives its output a zero tangent.
 
-Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`), anything else -> PyTorch
-(`torch_paths`, which picks a regime by shape). The environment variable ``SWITCHHEAD_KERNEL`` (read at
-every call) overrides this: ``triton`` (on CPU tensors this needs ``TRITON_INTERPRET=1``), ``torch``,
-``reference`` (`reference`: slow, obviously correct) or ``auto``/unset.
+Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`; float64 ones -> PyTorch, since the
+kernels accumulate in float32), anything else -> PyTorch (`torch_paths`, which picks a regime by shape). The
+environment variable ``SWITCHHEAD_KERNEL`` (read at every call) overrides this: ``triton`` (on CPU tensors this
+needs ``TRITON_INTERPRET=1``; not for float64), ``torch``, ``reference`` (`reference`: slow, obviously correct) or
+``auto``/unset.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ def backend_for(t: Tensor) -> str:
     if choice not in BACKENDS:
         raise KernelBackendError(f"{ENV_VAR}={choice!r} is not one of {', '.join(BACKENDS)}")
     if choice == "auto":
-        return "triton" if t.is_cuda else "torch"
+        return "triton" if t.is_cuda and t.dtype != torch.float64 else "torch"
+    if choice == "triton" and t.dtype == torch.float64:
+        raise KernelBackendError(f"{ENV_VAR}=triton: the Triton kernels compute in float32 at most, not float64")
     return choice
 
 
@@ -79,6 +83,7 @@ def _check(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out:
     ok = x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0
     ok = ok and weight.shape[1] == x.shape[2] and index.shape[0] == x.shape[0] and x.dtype == weight.dtype
     ok = ok and x.shape[1] > 0 and index.shape[1] > 0 and weight.shape[2] > 0 and x.dtype.is_floating_point
+    ok = ok and x.shape[2] > 0 and (gate is None or gate.dtype.is_floating_point)
     ok = ok and index.shape[1] % x.shape[1] == 0 and index.shape[1] % n_out == 0
     ok = ok and (gate is None or gate.shape == index.shape) and index.dtype in INDEX_DTYPES
     torch._check(bool(ok), lambda: _shape_error(x, weight, index, gate, n_out))
@@ -106,6 +111,8 @@ def _check_symbolic(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
     torch._check(x.shape[1] > 0, msg)
     torch._check(index.shape[1] > 0, msg)
     torch._check(weight.shape[2] > 0, msg)
+    torch._check(x.shape[2] > 0, msg)
+    torch._check(gate is None or gate.dtype.is_floating_point, msg)
     torch._check(weight.shape[1] == x.shape[2], msg)
     torch._check(index.shape[0] == x.shape[0], msg)
     torch._check(index.shape[1] % x.shape[1] == 0, msg)
@@ -127,9 +134,9 @@ def _shape_error(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, 
     gate_shape = None if gate is None else tuple(gate.shape)
     return (
         f"expert_projection: expected floating-point x [N, I, D_in], weight [E, D_in, D_out] of x's dtype, index "
-        f"[N, S] int64 or int32 and gate [N, S] or None, with I, S, D_out >= 1 and I and R=n_out dividing S; "
-        f"got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, index {tuple(index.shape)} "
-        f"{index.dtype}, gate {gate_shape}, n_out {n_out}"
+        f"[N, S] int64 or int32 and floating-point gate [N, S] or None, with I, S, D_in, D_out >= 1 and I and "
+        f"R=n_out dividing S; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+        f"index {tuple(index.shape)} {index.dtype}, gate {gate_shape}, n_out {n_out}"
     )
 
 
@@ -173,7 +180,9 @@ def _grad_buffers(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None,
     """Uninitialised tensors shaped like the backward's results (the gate's is empty when not needed)."""
     gate_shape = index.shape if (gate is not None and need_gate_grad) else (0,)
     dtype = gate.dtype if gate is not None else x.dtype
-    return torch.empty_like(x), torch.empty_like(weight), x.new_empty(gate_shape, dtype=dtype)
+    # Contiguous whatever the inputs' strides, as every backend returns them: a fake with other strides than
+    # the real results breaks torch.compile's backward (a transposed weight, as nn.Linear stores its own).
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(gate_shape, dtype=dtype)
 
 
 @expert_projection_backward.register_fake

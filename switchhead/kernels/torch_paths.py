@@ -211,7 +211,7 @@ def gather_backward(
         gs = (gs.view(n * slots, d_out).to(acc) * g).to(x.dtype)
     grad_x = _reduce_slots(u.view(n, slots, d_in), x.shape[1]).to(x.dtype)
     outer = xs.unsqueeze(2).to(acc) * gs.view(n * slots, 1, d_out).to(acc)  # [P, D_in, D_out]
-    grad_w = torch.zeros_like(weight, dtype=acc).index_add_(0, flat, outer).to(weight.dtype)
+    grad_w = weight.new_zeros(weight.shape, dtype=acc).index_add_(0, flat, outer).to(weight.dtype)  # contiguous
     return grad_x, grad_w, grad_gate
 
 
