@@ -306,6 +306,25 @@ def test_model_compiles_without_graph_breaks_and_matches(name):
         model.zero_grad()
 
 
+def test_sigma_moe_does_not_recompile_for_every_token_count():
+    """With dynamic shapes, a new token count reuses the compiled graph: the entropy regulariser took log N of a
+    size, which pinned N, so a compiled sigma-MoE model recompiled for every length (and failed under fullgraph
+    once past the recompile limit)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("aot_eager")  # N is pinned where AOT autograd traces the graph
+    torch.manual_seed(5)
+    ff = SigmaMoE(PRESETS["tiny-switchall"])
+    compiled = torch.compile(ff, backend=counter, dynamic=True)
+    graphs = []
+    for t in (7, 8, 9, 10):
+        x = torch.randn(2, t, ff.cfg.d_model)
+        torch.testing.assert_close(compiled(x), ff(x))
+        graphs.append(counter.frame_count)
+    assert graphs[1:] == [graphs[1]] * 3, graphs  # a second graph after the first call, none per length after it
+
+
 def test_relative_position_table_memo_never_serves_an_autocast_table_to_full_precision():
     att = ATTENTION["switchhead"](TINY).eval()
     with torch.no_grad():
