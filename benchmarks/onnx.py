@@ -28,6 +28,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from switchhead.errors import SwitchheadError  # noqa: E402
 from switchhead.export import OnnxBackend, export  # noqa: E402
 from switchhead.model.config import PRESETS  # noqa: E402
 from switchhead.model.lm import TransformerLM  # noqa: E402
@@ -110,7 +111,10 @@ def main() -> None:
         ap.error("--configs is empty and there is no --ppl-ckpt: nothing to measure")
     torch.set_num_threads(args.threads)
     if args.ppl_ckpt:
-        perplexity(args.ppl_ckpt, args.ppl_text, args.ppl_tokens, args.threads)
+        try:
+            perplexity(args.ppl_ckpt, args.ppl_text, args.ppl_tokens, args.threads)
+        except SwitchheadError as e:  # a missing or damaged checkpoint: the library's one-line message
+            ap.error(f"--ppl-ckpt {args.ppl_ckpt}: {e}")
         return
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}")

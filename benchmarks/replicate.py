@@ -126,6 +126,12 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny sizes and few steps: checks the pipeline only")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    sizes = ("steps", "batch_size", "chunk_len", "d_model", "layers", "d_ff", "d_head", "vocab_size", "eval_batch_size")
+    for name in sizes:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.worker:
         _worker(args.worker)
         return
