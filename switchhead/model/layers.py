@@ -335,8 +335,10 @@ class SigmaMoE(nn.Module):
         h = F.relu(moe_project(x[:, None], self.w1, idx, None, self.cfg.ff_k))
         y = moe_project(h, self.w2, idx, gate, 1)
         # Entropy regulariser: maximise the entropy of the batch-mean expert distribution.
-        # log N as a tensor: math.log of a size would pin it, so torch.compile recompiled for every token count.
-        log_n = logits.new_ones(logits.shape[0], dtype=torch.float32).sum().log()
+        # Eager, math.log of N costs nothing (also in a decode step); under torch.compile N may be a symbolic size,
+        # which math.log would pin (a recompile for every token count), so there log N is computed as a tensor.
+        n = logits.shape[0]
+        log_n = logits.new_ones(n, dtype=torch.float32).sum().log() if torch.compiler.is_compiling() else math.log(n)
         log_p = torch.logsumexp(logits.log_softmax(-1), 0) - log_n
         self.last_aux = self.cfg.ff_entropy_coef * (log_p.exp() * log_p).sum()
         return y.view(b, t, d)
