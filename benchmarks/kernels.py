@@ -314,7 +314,7 @@ def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
     width = torch_paths._gemm_width(case.d_out, x, index, w.shape[0])
     w_run = torch_paths._padded(w, width)
     products = [r @ w_run[e] for (e, _), r in zip(blocks, rows)]
-    d_in, d_out = (-(-d // 16) * 16 for d in (case.d_in, case.d_out))
+    d_in, d_out = torch_paths.aligned(case.d_in), torch_paths.aligned(case.d_out)  # GEMM_ALIGN = 16
     w_pad = torch.nn.functional.pad(w, (0, d_out - case.d_out, 0, d_in - case.d_in))
     rows_pad = [torch.nn.functional.pad(r, (0, d_in - case.d_in)) for r in rows]
     out = torch.zeros(n * case.n_out, width)
@@ -347,7 +347,7 @@ def width_table(ns: list[int], repeats: int, cases: list[Case] = CASES) -> list[
             g = torch.Generator().manual_seed(0)
             x, u = torch.randn(rows, case.d_in, generator=g), torch.randn(rows, case.d_out, generator=g)
             w = torch.randn(case.d_in, case.d_out, generator=g)
-            d_in, d_out = (-(-d // torch_paths.GEMM_ALIGN) * torch_paths.GEMM_ALIGN for d in (case.d_in, case.d_out))
+            d_in, d_out = torch_paths.aligned(case.d_in), torch_paths.aligned(case.d_out)
             w_out, u_out = pad(w, (0, d_out - case.d_out)), pad(u, (0, d_out - case.d_out))
             w_in = pad(w, (0, 0, 0, d_in - case.d_in))
             products = [  # name, result width, padded width, as is, padded

@@ -359,9 +359,14 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
     return _Plan(slot, first // (slots // n_in), first // (slots // n_out), gates, blocks)
 
 
+def aligned(d: int) -> int:
+    """d rounded up to a multiple of GEMM_ALIGN."""
+    return -(-d // GEMM_ALIGN) * GEMM_ALIGN
+
+
 def _gemm_width(d: int, x: Tensor, index: Tensor, n_experts: int) -> int:
     """Width of the rows the blocked regimes' GEMMs write (see GEMM_ALIGN): d, or d padded on the CPU in fp32."""
-    padded = -(-d // GEMM_ALIGN) * GEMM_ALIGN
+    padded = aligned(d)
     pays = 16 * (padded - d) <= d < GEMM_PAD_MAX_WIDTH and index.numel() >= GEMM_PAD_MIN_PAIRS_PER_EXPERT * n_experts
     return padded if pays and x.device.type == "cpu" and x.dtype == torch.float32 else d
 
