@@ -7,6 +7,7 @@
     python benchmarks/kernels.py --n 256 4096 --regimes grouped --against REV   # beside the code at git REV
     python benchmarks/kernels.py --n 256 4096 --anatomy   # where the grouped forward's time goes
     python benchmarks/kernels.py --n 256 1024 4096 --gemm-widths   # one expert's GEMMs, result rows padded or not
+    python benchmarks/kernels.py --n 256 4096 --frozen    # forward+backward with the weight trained and frozen
     python benchmarks/kernels.py --n 4096 16384 --regimes dense combo --device cuda --dtype bfloat16   # vs Triton
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
@@ -28,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -363,6 +365,30 @@ def width_table(ns: list[int], repeats: int, cases: list[Case] = CASES) -> list[
     return lines
 
 
+def frozen_table(
+    ns: list[int],
+    timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    cases: list[Case] = CASES,
+) -> list[str]:
+    """The op's forward and backward (by autograd, the backend chosen as in the model) with every gradient, and
+    with the weight frozen (no weight gradient)."""
+    lines = _table("| case | N | trained fwd+bwd ms | frozen fwd+bwd ms | frozen / trained |")
+    for case in cases:
+        for n in ns:
+            x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
+            frozen = w.detach()
+            given = [x] + ([gate] if gate is not None else [])
+            t = timer({
+                "trained": _fwd_bwd(expert_projection, (x, w, index, gate, case.n_out), [*given, w]),
+                "frozen": _fwd_bwd(expert_projection, (x, frozen, index, gate, case.n_out), given),
+            })  # fmt: skip
+            cells = f"{t['trained']:.3f} | {t['frozen']:.3f} | {t['frozen'] / t['trained']:.2f}"
+            _add_row(lines, f"| {case.name} | {n} | {cells} |")
+    return lines
+
+
 def _each(fn: Callable, calls: list[tuple]) -> None:
     for args in calls:
         fn(*args)
@@ -502,6 +528,9 @@ def main() -> None:
     parser.add_argument(
         "--gemm-widths", action="store_true", help="only time one expert's GEMMs with result rows padded and not"
     )
+    parser.add_argument(
+        "--frozen", action="store_true", help="only time forward+backward with the weight trained and frozen"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(
         "--segments", action="store_true", help="GPU table: also the Triton kernels over segments (SEGMENTS)"
@@ -516,8 +545,15 @@ def main() -> None:
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
-    if args.device == "cuda" and not (args.regimes and torch.cuda.is_available()):
-        parser.error("--device cuda needs --regimes and a CUDA device")
+    if args.device == "cuda" and not ((args.regimes or args.frozen) and torch.cuda.is_available()):
+        parser.error("--device cuda needs --regimes or --frozen, and a CUDA device")
+    if args.frozen:
+        timed = "GPU time" if args.device == "cuda" else "best of the interleaved repeats"
+        print(f"\n## {args.device.upper()} op, weight trained and frozen ({args.dtype}, {timed}, ms)\n")
+        repeats = 5 if args.quick else 15
+        timer = each_call(kernel_ms) if args.device == "cuda" else partial(interleaved_min_ms, repeats=repeats)
+        frozen_table(args.n, timer, getattr(torch, args.dtype), args.device)
+        return
     if args.regimes and args.device == "cuda":
         from triton.testing import do_bench
 

@@ -247,7 +247,7 @@ def test_torch_paths_half_widened_or_not(shape, regime, dtype, widen):
     """Half inputs run in float32 on CPUs without half instructions (`widen` None); both ways give half results."""
     exact, (x, w, index, gate, grad) = make(shape, dtype)
     out = torch_paths.forward(x, w, index, gate, shape.n_out, regime, widen)
-    got = [out, *torch_paths.backward(grad, x, w, index, gate, True, regime, widen)]
+    got = [out, *torch_paths.backward(grad, x, w, index, gate, True, regime=regime, widen=widen)]
     assert [t.dtype for t in got] == [dtype, dtype, dtype, gate.dtype if gate is not None else dtype]
     assert_matches(got if gate is not None else got[:3], naive_all(shape, exact), dtype)
 
@@ -396,7 +396,11 @@ def test_opcheck(shape, name, backend):
     torch.library.opcheck(torch.ops.switchhead.expert_projection.default, (x, w, index, gate, shape.n_out))
     torch.library.opcheck(
         torch.ops.switchhead.expert_projection_backward.default,
-        (grad, x.detach(), w.detach(), index, gate.detach() if gate is not None else None, gate is not None),
+        (grad, x.detach(), w.detach(), index, gate.detach() if gate is not None else None, gate is not None, True),
+    )
+    torch.library.opcheck(  # a frozen weight: no weight gradient
+        torch.ops.switchhead.expert_projection_backward.default,
+        (grad, x.detach(), w.detach(), index, None, False, False),
     )
 
 
@@ -408,7 +412,11 @@ def test_opcheck_triton(backend):
     torch.library.opcheck(torch.ops.switchhead.expert_projection.default, args)
     torch.library.opcheck(
         torch.ops.switchhead.expert_projection_backward.default,
-        (grad, x.detach(), w.detach(), index, gate.detach(), True),
+        (grad, x.detach(), w.detach(), index, gate.detach(), True, True),
+    )
+    torch.library.opcheck(
+        torch.ops.switchhead.expert_projection_backward.default,
+        (grad, x.detach(), w.detach(), index, gate.detach(), True, False),
     )
 
 
@@ -565,13 +573,76 @@ def test_fake_backward_has_the_real_gradients_strides(strided, regime, monkeypat
     n, e = 40, 6
     x = torch.randn(5, n, 1, generator=g).permute(1, 2, 0) if strided == "x" else torch.randn(n, 1, 5, generator=g)
     w = torch.randn(e, 3, 5, generator=g).transpose(1, 2) if strided == "weight" else torch.randn(e, 5, 3, generator=g)
-    args = (torch.randn(n, 2, 3, generator=g), x, w, torch.randint(0, e, (n, 4), generator=g), torch.rand(n, 4), True)
+    args = (torch.randn(n, 2, 3, generator=g), x, w, torch.randint(0, e, (n, 4), generator=g), torch.rand(n, 4))
+    args += (True, True)
     real = torch.ops.switchhead.expert_projection_backward(*args)
     with FakeTensorMode() as mode:
         fake = torch.ops.switchhead.expert_projection_backward(
             *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
         )
     assert [(t.shape, t.stride()) for t in fake] == [(t.shape, t.stride()) for t in real]
+
+
+FROZEN_SHAPES = [SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[6], SHAPES[11], Shape(300, 1, 6, 2, 8, 20, 12)]
+
+
+@pytest.mark.parametrize("shape", FROZEN_SHAPES, ids=str)
+@pytest.mark.parametrize("name", ["reference", "torch", "triton"])
+def test_frozen_weight(shape, name, backend):
+    """A weight that does not require grad gets none; x's and the gate's are still the naive loop's."""
+    backend(name)
+    exact, cast = make(shape)
+    x, w, index, gate, grad = on_device(cast)
+    wrt = [x.requires_grad_()] + ([gate.requires_grad_()] if gate is not None else [])
+    out = expert_projection(x, w, index, gate, shape.n_out)
+    got = torch.autograd.grad(out, wrt, grad)
+    _, want_x, _, *want_gate = naive_all(shape, exact)
+    for name, g, want in zip(["grad_x", "grad_gate"], got, [want_x, *want_gate]):
+        torch.testing.assert_close(g.cpu().double(), want, rtol=2e-5, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::index_add_", "aten::embedding_bag"}
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("shape", [SHAPES[3], SHAPES[4], SHAPES[12]], ids=str)
+def test_frozen_weight_skips_its_products(shape, regime, monkeypatch):
+    """The backward of a frozen weight runs fewer products (GEMMs, index-adds) than a trained one's."""
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "torch")
+    monkeypatch.setattr(torch_paths, "choose_regime", lambda *a, **k: regime)
+    _, (x, w, index, gate, grad) = make(shape)
+    counts = {}
+    for trained in (True, False):
+        xs, ws, gs = (t.clone().requires_grad_(t is not w or trained) for t in (x, w, gate))
+        out = expert_projection(xs, ws, index, gs, shape.n_out)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.autograd.grad(out, [xs, gs] + ([ws] if trained else []), grad)
+        counts[trained] = sum(e.name in PRODUCTS for e in prof.events())
+    assert 0 < counts[False] < counts[True]
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["pairs", "segments"])
+def test_frozen_weight_launches_no_weight_gradient_kernel(segments, monkeypatch):
+    """The Triton backward without a weight gradient does not launch its kernel, nor, where grad_x runs over
+    segments, the sort of the pairs that only the weight gradient reads."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # recorded, not run: the compiled module's launches
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    tk = triton_kernels.load()
+    monkeypatch.setattr(tk, "SEGMENTS", segments)
+    _, (x, w, index, gate, grad) = make(Shape(40, 2, 6, 1, 8, 12, 20))  # segments of 3 slots
+    kernels = {}
+    for trained in (True, False):
+        recorded = []
+        with gpu_build._recording(tk, recorded):
+            tk.backward(grad, x, w, index, gate, True, trained)
+        kernels[trained] = [launch.kernel for launch in recorded]
+    expected = list(kernels[True])
+    expected.remove("_weight_grad_kernel")
+    if segments:  # the pairs' counting sort (the segments' 120 sets are sorted by torch.sort)
+        expected.remove("_count_pairs_kernel")
+        expected.remove("_place_pairs_kernel")
+    assert kernels[False] == expected
 
 
 def test_triton_refuses_float64(monkeypatch):

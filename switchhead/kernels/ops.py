@@ -26,6 +26,8 @@ gradient is bitwise reproducible run to run by construction (so are the PyTorch 
 forward and input gradient add the slots that share a row with atomics unless
 torch.use_deterministic_algorithms(True) is set.
 
+A weight that does not require grad gets no gradient, and its products are skipped.
+
 Reverse-mode autograd only: like any torch.library custom op with just `register_autograd`, torch.func's
 reverse-mode transforms (`grad`, `jacrev`) refuse it, while forward mode (torch.autograd.forward_ad,
 `torch.func.jvp`, `jacfwd`) silently gives its output a zero tangent.
@@ -162,32 +164,38 @@ def _(x, weight, index, gate, n_out):
 
 @torch.library.custom_op("switchhead::expert_projection_backward", mutates_args=())
 def expert_projection_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients w.r.t. x, weight and gate (the last is empty when not needed or gate is None)."""
+    """Gradients w.r.t. x, weight and gate (the weight's and the gate's are empty when not needed; the gate's
+    also when gate is None)."""
     backend = backend_for(x)
     if x.shape[0] == 0:
-        grad_x, grad_w, grad_gate = _grad_buffers(x, weight, index, gate, need_gate_grad)
+        grad_x, grad_w, grad_gate = _grad_buffers(x, weight, index, gate, need_gate_grad, need_weight_grad)
         return grad_x, grad_w.zero_(), grad_gate
+    args = grad, x, weight, index, gate, need_gate_grad, need_weight_grad
     if backend == "triton":
-        return _triton().backward(grad, x, weight, index, gate, need_gate_grad)
+        return _triton().backward(*args)
     if backend == "reference":
-        return reference.backward(grad, x, weight, index, gate, need_gate_grad)
-    return torch_paths.backward(grad, x, weight, index, gate, need_gate_grad)
+        return reference.backward(*args)
+    return torch_paths.backward(*args)
 
 
-def _grad_buffers(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool):
-    """Uninitialised tensors shaped like the backward's results (the gate's is empty when not needed)."""
+def _grad_buffers(
+    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool, need_weight_grad: bool
+):
+    """Uninitialised tensors shaped like the backward's results (empty where not needed)."""
     gate_shape = index.shape if (gate is not None and need_gate_grad) else (0,)
     dtype = gate.dtype if gate is not None else x.dtype
     # Contiguous whatever the inputs' strides, as every backend returns them: a fake with other strides than
     # the real results breaks torch.compile's backward (a transposed weight, as nn.Linear stores its own).
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(gate_shape, dtype=dtype)
+    grad_w = weight.new_empty(weight.shape if need_weight_grad else (0,))
+    return x.new_empty(x.shape), grad_w, x.new_empty(gate_shape, dtype=dtype)
 
 
 @expert_projection_backward.register_fake
-def _(grad, x, weight, index, gate, need_gate_grad):
-    return _grad_buffers(x, weight, index, gate, need_gate_grad)
+def _(grad, x, weight, index, gate, need_gate_grad, need_weight_grad):
+    return _grad_buffers(x, weight, index, gate, need_gate_grad, need_weight_grad)
 
 
 def _setup_context(ctx, inputs, output):
@@ -198,8 +206,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     x, weight, index, gate = ctx.saved_tensors
     need_gate = gate is not None and ctx.needs_input_grad[3]
-    grad_x, grad_w, grad_gate = expert_projection_backward(grad.contiguous(), x, weight, index, gate, need_gate)
-    return grad_x, grad_w, None, grad_gate if need_gate else None, None
+    # A frozen weight's gradient (a third of the backward's products) is not computed. x's always is: the gate
+    # gradient comes out of the same products, and inside a model x needs one wherever anything before it trains.
+    need_weight = ctx.needs_input_grad[1]
+    grad_x, grad_w, grad_gate = expert_projection_backward(
+        grad.contiguous(), x, weight, index, gate, need_gate, need_weight
+    )
+    return grad_x, grad_w if need_weight else None, None, grad_gate if need_gate else None, None
 
 
 expert_projection.register_autograd(_backward, setup_context=_setup_context)

@@ -25,7 +25,8 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
 
 
 def backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # (Autograd is switched off inside a custom op's implementation, so the chain rule is written out.)
     n, n_in, _ = x.shape
@@ -33,7 +34,7 @@ def backward(
     in_per, out_per = slots // n_in, slots // grad.shape[1]
     acc_dtype = torch.promote_types(x.dtype, torch.float32)
     grad_x = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
-    grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device)
+    grad_w = torch.zeros(weight.shape if need_weight_grad else (0,), dtype=acc_dtype, device=x.device)
     want_gate = gate is not None and need_gate_grad
     grad_gate = torch.zeros(index.shape if want_gate else (0,), dtype=acc_dtype, device=x.device)
     for s in range(slots):
@@ -45,6 +46,7 @@ def backward(
         if gate is not None:
             g = g * gate[:, s, None].to(acc_dtype)
         grad_x[:, s // in_per] += torch.bmm(g.unsqueeze(1), w.transpose(1, 2)).squeeze(1)
-        grad_w.index_add_(0, index[:, s], xs.unsqueeze(2) * g.unsqueeze(1))
+        if need_weight_grad:
+            grad_w.index_add_(0, index[:, s], xs.unsqueeze(2) * g.unsqueeze(1))
     gate_dtype = gate.dtype if gate is not None else x.dtype
     return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_gate.to(gate_dtype)

@@ -192,7 +192,8 @@ def _bag_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, 
 
 
 def gather_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True,
 ) -> Grads:
     n, slots = index.shape
     acc = _acc_dtype(x)
@@ -210,6 +211,8 @@ def gather_backward(
         u = u * g
         gs = (gs.view(n * slots, d_out).to(acc) * g).to(x.dtype)
     grad_x = _reduce_slots(u.view(n, slots, d_in), x.shape[1]).to(x.dtype)
+    if not need_weight_grad:
+        return grad_x, weight.new_empty(0), grad_gate
     outer = xs.unsqueeze(2).to(acc) * gs.view(n * slots, 1, d_out).to(acc)  # [P, D_in, D_out]
     grad_w = weight.new_zeros(weight.shape, dtype=acc).index_add_(0, flat, outer).to(weight.dtype)  # contiguous
     return grad_x, grad_w, grad_gate
@@ -265,7 +268,8 @@ def dense_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None,
 
 
 def dense_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True,
 ) -> Grads:
     n, n_in, d_in = x.shape
     n_experts, _, d_out = weight.shape
@@ -285,14 +289,18 @@ def dense_backward(
         grad_y.scatter_add_(1, sel.unsqueeze(-1).expand(n, slots, d_out), _gated(gs, gate))
         grad_y = grad_y.view(n * n_in, n_experts * d_out).to(x.dtype)
         grad_x = (grad_y @ w_cat.t()).view_as(x)
-        grad_w_cat = x.reshape(n * n_in, d_in).t() @ grad_y
-        grad_w = grad_w_cat.view(d_in, n_experts, d_out).permute(1, 0, 2).contiguous()
+        grad_w = weight.new_empty(0)
+        if need_weight_grad:
+            grad_w_cat = x.reshape(n * n_in, d_in).t() @ grad_y
+            grad_w = grad_w_cat.view(d_in, n_experts, d_out).permute(1, 0, 2).contiguous()
         return grad_x, grad_w, grad_gate
     c = _coefficients(index, gate, n_in, n_out, n_experts, x.dtype)
-    z = torch.bmm(c, x) if n_in > 1 else c * x
     g2 = grad.reshape(n * n_out, d_out).to(x.dtype)
     w_flat = weight.reshape(n_experts * d_in, d_out)
-    grad_w = (z.view(n * n_out, n_experts * d_in).t() @ g2).view_as(weight)
+    grad_w = weight.new_empty(0)
+    if need_weight_grad:
+        z = torch.bmm(c, x) if n_in > 1 else c * x
+        grad_w = (z.view(n * n_out, n_experts * d_in).t() @ g2).view_as(weight)
     grad_z = (g2 @ w_flat.t()).view(n, n_out * n_experts, d_in)
     grad_x = torch.bmm(c.transpose(1, 2), grad_z)
     grad_gate = no_gate_grad
@@ -405,7 +413,8 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
 
 
 def _segments_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool, seg: int
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool, seg: int,
 ) -> Grads:
     n, slots = index.shape
     d_in, d_out = weight.shape[1:]
@@ -413,11 +422,12 @@ def _segments_backward(
     # Result rows padded where `_gemm_width` says so: grad_x's (weight padded along D_in) and the weight gradient's
     # (grad padded along D_out; the products with grad read its first D_out columns only).
     in_w, out_w = (_gemm_width(d, x, index, weight.shape[0]) for d in (d_in, d_out))
+    out_w = out_w if need_weight_grad else d_out
     x2, g2 = x.reshape(-1, d_in), _padded(grad.reshape(-1, d_out).to(x.dtype), out_w)
     slot, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc, seg)
     weight = torch.nn.functional.pad(weight, (0, 0, 0, in_w - d_in)) if in_w != d_in else weight
     grad_x = torch.zeros(n * x.shape[1], in_w, dtype=acc, device=x.device)
-    grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device)  # one expert's blocks add up here
+    grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device) if need_weight_grad else None
     need_gate_grad = need_gate_grad and gates is not None
     gate_grad_sorted = torch.empty(slot.shape, dtype=acc, device=x.device) if need_gate_grad else None
     for experts, b in blocks:
@@ -427,17 +437,19 @@ def _segments_backward(
             # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u>
             # (= <x @ W, g>), so the forward is never recomputed: three GEMMs per expert, as for a linear layer.
             u = (gs[:, :d_out] @ weight[e].t()).to(acc)
-            xs_j, gs_j = xs, gs
-            if gates is not None:
-                g = gates[b, j : j + 1]
+            g = gates[b, j : j + 1] if gates is not None else None
+            if g is not None:
                 if need_gate_grad:
                     gate_grad_sorted[b, j] = (u[:, :d_in] * xs.to(acc)).sum(-1)
                 u.mul_(g)
-                if d_in < d_out:  # gate the narrower side of the weight-gradient product
-                    xs_j = (xs.to(acc) * g).to(x.dtype)
-                else:
-                    gs_j = (gs.to(acc) * g).to(x.dtype)
             gx = u if gx is None else gx.add_(u)
+            if not need_weight_grad:
+                continue
+            xs_j, gs_j = xs, gs
+            if g is not None and d_in < d_out:  # gate the narrower side of the weight-gradient product
+                xs_j = (xs.to(acc) * g).to(x.dtype)
+            elif g is not None:
+                gs_j = (gs.to(acc) * g).to(x.dtype)
             if x.dtype == acc:
                 grad_w[e].addmm_(xs_j.t(), gs_j)
             else:
@@ -449,6 +461,8 @@ def _segments_backward(
         grad_gate.index_copy_(0, slot.reshape(-1), gate_grad_sorted.reshape(-1).to(gate.dtype))
         grad_gate = grad_gate.view(n, slots)
     grad_x = grad_x[:, :d_in].reshape(x.shape).to(x.dtype).contiguous()
+    if grad_w is None:
+        return grad_x, weight.new_empty(0), grad_gate
     return grad_x, grad_w[..., :d_out].to(weight.dtype).contiguous(), grad_gate
 
 
@@ -457,9 +471,10 @@ def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | Non
 
 
 def grouped_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True,
 ) -> Grads:
-    return _segments_backward(grad, x, weight, index, gate, need_gate_grad, 1)
+    return _segments_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad, 1)
 
 
 def combo_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
@@ -467,10 +482,11 @@ def combo_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None,
 
 
 def combo_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True,
 ) -> Grads:
     seg = segment_length(index.shape[1], x.shape[1], grad.shape[1])
-    return _segments_backward(grad, x, weight, index, gate, need_gate_grad, seg)
+    return _segments_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad, seg)
 
 
 FORWARD = {"gather": gather_forward, "dense": dense_forward, "grouped": grouped_forward, "combo": combo_forward}
@@ -515,17 +531,11 @@ def forward(
 
 
 def backward(
-    grad: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    index: Tensor,
-    gate: Tensor | None,
-    need_gate_grad: bool,
-    regime: Regime | None = None,
-    widen: bool | None = None,
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True, regime: Regime | None = None, widen: bool | None = None,
 ) -> Grads:
     regime, wide, w = _plan_call(x, weight, index, grad.shape[1], True, regime, widen)
     if not wide:
-        return BACKWARD[regime](grad, x, w, index, gate, need_gate_grad)
-    gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), w, index, gate, need_gate_grad)
+        return BACKWARD[regime](grad, x, w, index, gate, need_gate_grad, need_weight_grad)
+    gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), w, index, gate, need_gate_grad, need_weight_grad)
     return gx.to(x.dtype), gw.to(weight.dtype), gg if gate is not None else gg.to(x.dtype)

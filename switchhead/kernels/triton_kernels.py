@@ -842,7 +842,8 @@ def _by_segments(slots: int, n_in: int, n_out: int, n_experts: int, written_per:
 
 
 def backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _require_runnable(x)
     n, n_in, _ = x.shape
@@ -852,9 +853,11 @@ def backward(
     x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
     weight = _padded_weight(weight, d_in_p, d_out_p)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
-    order, offsets = _sort_pairs(index, n_experts)  # the weight gradient's, whatever grad_x runs over
     partner = x2 if gate is not None and need_gate_grad else None
-    if _by_segments(slots, n_in, n_out, n_experts, slots // n_in):
+    by_segments = _by_segments(slots, n_in, n_out, n_experts, slots // n_in)
+    # Pairs sorted by expert: the weight gradient needs them whatever grad_x runs over.
+    order, offsets = _sort_pairs(index, n_experts) if need_weight_grad or not by_segments else (None, None)
+    if by_segments:
         segments = _sort_segments(index, n_experts, segment_length(slots, n_in, n_out))
         grad_x, gate_grad = _segment_matmul(
             g2, slots // n_out, weight, True, n * n_in, slots // n_in, segments, flat_gate, partner
@@ -863,10 +866,13 @@ def backward(
         grad_x, gate_grad = _grouped_matmul(
             g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
         )
-    grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
+    grad_w = weight.new_empty(0)
+    if need_weight_grad:
+        grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
+        grad_w = grad_w[:, :d_in, :d_out].to(x.dtype).contiguous()
     if gate_grad is not None:
         grad_gate = gate_grad.view(n, slots).to(gate.dtype)
     else:
         grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
-    return grad_x, grad_w[:, :d_in, :d_out].to(x.dtype).contiguous(), grad_gate
+    return grad_x, grad_w, grad_gate
