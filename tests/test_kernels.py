@@ -645,6 +645,20 @@ def test_frozen_weight_launches_no_weight_gradient_kernel(segments, monkeypatch)
     assert kernels[False] == expected
 
 
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], SHAPES[6], Shape(300, 1, 6, 2, 8, 20, 12)], ids=str)
+@pytest.mark.parametrize("name", ["reference", "torch"])
+def test_autocast_does_not_reach_inside_the_op(shape, name, backend):
+    """Under autocast the op computes as without it, forward and backward: autocast does not cast a custom op's
+    inputs, and must not round the products inside it either."""
+    backend(name)
+    _, cast = make(shape)
+    plain = via_op(shape, cast)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        under = via_op(shape, cast)
+    for name, got, want in zip(["out", "grad_x", "grad_weight", "grad_gate"], under, plain):
+        assert torch.equal(got, want), name
+
+
 def test_triton_refuses_float64(monkeypatch):
     """The Triton kernels accumulate in float32: forcing them on float64 is an error (auto sends it to PyTorch)."""
     monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")

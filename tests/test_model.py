@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from switchhead import PRESETS, ModelConfig, TransformerLM
-from switchhead.model.layers import ATTENTION, Block, SigmaMoE, select_topk
+from switchhead.kernels import expert_projection
+from switchhead.model.layers import ATTENTION, Block, SigmaMoE, moe_project, select_topk
 
 TINY = PRESETS["tiny-switchhead"].replace(d_model=24, d_head=8, n_experts=3, k=2, chunk_len=6, n_layers=2,
                                           vocab_size=37)
@@ -277,6 +278,27 @@ def test_bfloat16_autocast_trains_and_stays_close_to_float32(name):
     assert (got.float() - want).abs().mean() < 0.02 * want.abs().mean()
     got.float().logsumexp(-1).mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+# SwitchHead V (2 heads, k = 2) and O, sigma-MoE up and down (k = 2); N = 2 takes the gather regime, N = 64 the
+# dense one.
+@pytest.mark.parametrize("n", [2, 64])
+@pytest.mark.parametrize("n_in, slots, n_out, gated", [(1, 4, 2, True), (2, 4, 1, True), (1, 2, 2, False),
+                                                       (2, 2, 1, True)], ids=["v", "o", "ff-up", "ff-down"])
+def test_expert_projection_under_autocast_rounds_only_its_inputs_and_output(n, n_in, slots, n_out, gated):
+    # Like F.linear under autocast: the inputs are cast to bf16, then the op computes as it does on bf16 tensors
+    # (products accumulated in float32) and only its result is rounded. Autocast must not reach the PyTorch
+    # paths' own matmuls and round per-slot products or gated inputs to bf16 on the way.
+    torch.manual_seed(n + slots)
+    x, w = torch.randn(n, n_in, 16), torch.randn(6, 16, 24)
+    index = torch.rand(n, 6).argsort(-1)[:, :slots]  # distinct experts per token, as top-k gives
+    gate = torch.rand(n, slots) if gated else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = moe_project(x, w, index, gate, n_out)
+    bf = torch.bfloat16
+    want = expert_projection(x.to(bf), w.to(bf), index, None if gate is None else gate.to(bf), n_out)
+    assert got.dtype == bf
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["tiny-switchhead", "tiny-switchall", "tiny-moa", "tiny-switchhead-rope-nomem"])

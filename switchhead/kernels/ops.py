@@ -26,7 +26,8 @@ gradient is bitwise reproducible run to run by construction (so are the PyTorch 
 forward and input gradient add the slots that share a row with atomics unless
 torch.use_deterministic_algorithms(True) is set.
 
-A weight that does not require grad gets no gradient, and its products are skipped.
+A weight that does not require grad gets no gradient, and its products are skipped. Autocast is switched off
+inside the op (it casts nothing itself: the caller casts its inputs, as `layers.moe_project` does).
 
 Reverse-mode autograd only: like any torch.library custom op with just `register_autograd`, torch.func's
 reverse-mode transforms (`grad`, `jacrev`) refuse it, while forward mode (torch.autograd.forward_ad,
@@ -42,6 +43,7 @@ needs ``TRITON_INTERPRET=1``; not for float64), ``torch``, ``reference`` (`refer
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
 
 import torch
@@ -149,11 +151,21 @@ def expert_projection(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
     backend = backend_for(x)
     if x.shape[0] == 0:  # no tokens: nothing to launch (and no per-backend corner case to get right)
         return x.new_zeros(0, n_out, weight.shape[-1])
-    if backend == "triton":
-        return _triton().forward(x, weight, index, gate, n_out)
-    if backend == "reference":
-        return reference.forward(x, weight, index, gate, n_out)
-    return torch_paths.forward(x, weight, index, gate, n_out)
+    with _autocast_off(x):
+        if backend == "triton":
+            return _triton().forward(x, weight, index, gate, n_out)
+        if backend == "reference":
+            return reference.forward(x, weight, index, gate, n_out)
+        return torch_paths.forward(x, weight, index, gate, n_out)
+
+
+def _autocast_off(t: Tensor) -> AbstractContextManager:
+    """Autocast does not cast a custom op's inputs, but it would reach the matmuls inside the PyTorch paths and round
+    their float32 products and sums (widened half inputs, gated rows) to half precision mid-op."""
+    device = t.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return nullcontext()
 
 
 @expert_projection.register_fake
@@ -174,11 +186,12 @@ def expert_projection_backward(
         grad_x, grad_w, grad_gate = _grad_buffers(x, weight, index, gate, need_gate_grad, need_weight_grad)
         return grad_x, grad_w.zero_(), grad_gate
     args = grad, x, weight, index, gate, need_gate_grad, need_weight_grad
-    if backend == "triton":
-        return _triton().backward(*args)
-    if backend == "reference":
-        return reference.backward(*args)
-    return torch_paths.backward(*args)
+    with _autocast_off(x):
+        if backend == "triton":
+            return _triton().backward(*args)
+        if backend == "reference":
+            return reference.backward(*args)
+        return torch_paths.backward(*args)
 
 
 def _grad_buffers(
