@@ -144,6 +144,10 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.duration <= 0:
         ap.error(f"--duration must be > 0 seconds, got {args.duration}")
+    from switchhead.devices import MAX_THREADS
+
+    if args.threads > MAX_THREADS:  # the server refuses it: say so here, not as "server did not start"
+        ap.error(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or tiny_checkpoint(Path(tmp))
