@@ -264,6 +264,20 @@ def test_relative_position_table_memo_is_never_stale():
     assert att.rel_pos(6).requires_grad  # training: always recomputed, differentiable
 
 
+def test_frozen_position_weight_trains_after_inference_mode():
+    # A frozen positional projection is memoised with grad enabled as well; a table made under inference mode
+    # (as generation runs) must not reach a training forward, where autograd refuses to save it.
+    model = TransformerLM(TINY)
+    for block in model.blocks:
+        block.attn.pos.weight.requires_grad_(False)
+    ids = torch.randint(0, TINY.vocab_size, (1, 5))
+    with torch.inference_mode():
+        model(ids)
+    logits, _ = model(ids)
+    logits.float().mean().backward()
+    assert model.blocks[0].attn.pos.weight.grad is None and model.embed.weight.grad is not None
+
+
 @pytest.mark.parametrize("name", ["tiny-switchhead", "tiny-switchall", "tiny-moa"])
 def test_bfloat16_autocast_trains_and_stays_close_to_float32(name):
     cfg = PRESETS[name]

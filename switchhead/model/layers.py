@@ -121,12 +121,13 @@ class AttentionBase(nn.Module):
 
         In inference the table is memoised: cached decoding asks for the same 2T distances at every step, and
         recomputing them ([2T, d] x [d, G*dh] per layer) would cost more than the rest of the step. The key
-        includes the weight's version counter, so an in-place update is never served stale, and the autocast
-        dtype, so a table rounded under autocast never serves a full-precision forward."""
+        includes the weight's version counter, so an in-place update is never served stale, the autocast
+        dtype, so a table rounded under autocast never serves a full-precision forward, and inference mode, whose
+        tensors autograd refuses to save (a frozen weight is memoised with grad enabled too)."""
         w = self.pos.weight
         memoise = not (torch.is_grad_enabled() and w.requires_grad) and not torch.compiler.is_compiling()
-        key = (n, str(device), w.dtype, _autocast_dtype(device or w.device), w.data_ptr(), w._version) \
-            if memoise else None
+        key = (n, str(device), w.dtype, _autocast_dtype(device or w.device), w.data_ptr(), w._version,
+               torch.is_inference_mode_enabled()) if memoise else None
         if key is not None and key == getattr(self, "_rel_pos_key", None):
             return self._rel_pos_value
         r = self.pos(sinusoids(n, self.cfg.d_model, device, wide(w).dtype).to(w.dtype))
