@@ -9,6 +9,7 @@ import torch
 
 import switchhead
 from switchhead import PRESETS, CheckpointError, TransformerLM
+from switchhead.errors import SwitchheadError
 from switchhead.fileio import atomic_directory
 
 
@@ -84,6 +85,32 @@ def test_crash_while_writing_leaves_old_checkpoint_intact(tmp_path):
             raise RuntimeError("crash")
     assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_save_that_crashes_midway_leaves_the_old_checkpoint_intact(tmp_path, monkeypatch):
+    """`save` itself, not only `atomic_directory`: a crash while the weights are written (here safetensors' writer
+    dying after half a file) leaves the old checkpoint whole and loadable, and no partial directory beside it."""
+    import switchhead.model.checkpoint as checkpoint
+
+    torch.manual_seed(0)
+    old = TransformerLM(PRESETS["tiny-switchhead"])
+    switchhead.save(tmp_path / "ck", old)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()}
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    torch.manual_seed(1)
+    with pytest.raises(SwitchheadError, match="cannot write .*ck: disk full"):
+        switchhead.save(tmp_path / "ck", TransformerLM(PRESETS["tiny-switchhead"].replace(n_layers=1)))
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    monkeypatch.undo()
+    loaded, _ = switchhead.load(tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), old.state_dict().values()))
 
 
 @pytest.fixture

@@ -41,6 +41,15 @@ def test_generate_without_checkpoint_uses_the_default_model():
     assert out["tokens"] >= 1 and out["text"]
     again = CliRunner().invoke(main, ["generate", "The old house", "--max-new-tokens", "8", "--seed", "3", "--json"])
     assert json.loads(again.output)["text"] == out["text"]
+    # The text is the built-in model's own: greedy CLI output equals the library's greedy generation on it.
+    from switchhead.runtime import Generator, SamplingParams, TorchBackend
+
+    model, tok = switchhead.load()
+    (want,) = Generator(TorchBackend(model), tok).generate(["The old house"],
+                                                          SamplingParams(temperature=0, max_new_tokens=8))
+    r = CliRunner().invoke(main, ["generate", "The old house", "--max-new-tokens", "8", "--temperature", "0"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == want.text + "\n" and want.tokens
 
 
 def test_inspect_without_checkpoint_uses_the_default_model(tmp_path):

@@ -786,3 +786,20 @@ def test_a_context_starts_a_document_whatever_its_leading_space(sp):
     spaced, plain = lm.generate_until([Req(" the quick fox", {"until": [], "max_gen_toks": 6}),
                                        Req("the quick fox", {"until": [], "max_gen_toks": 6})])
     assert spaced == plain
+
+
+def test_a_contexts_trailing_space_moves_to_the_continuation(sp):
+    """lm-eval contexts often end in a space ("Answer: "): the space belongs to the continuation's first word, as
+    it is tokenised in running text, so the score is that of the plain split (direct_pair, from the forward)."""
+    from switchhead.evals import SwitchheadLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size())).eval()
+    lm = SwitchheadLM(model=model, tokenizer=sp, batch_size=4, progress=False)
+    ctx, cont = lm.encode_pair("the quick fox  ", "jumps over")
+    assert (ctx, cont) == ([sp.eos_id()] + sp.encode("the quick fox"), sp.encode("the quick fox  jumps over")[
+        len(sp.encode("the quick fox")):])
+    (got, greedy), = lm.loglikelihood([Req("the quick fox ", "jumps over")])
+    want, want_greedy, n = direct_pair(model, sp, "the quick fox", " jumps over")
+    assert got == pytest.approx(want, abs=1e-4) and greedy == want_greedy
+    assert lm.continuation_length("the quick fox ", "jumps over") == n

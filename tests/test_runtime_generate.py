@@ -229,6 +229,23 @@ def test_eos_ends_generation(model, sp):
     assert r.finish_reason == "eos" and r.tokens == [] and r.text == ""
 
 
+def test_stop_at_eos_false_keeps_eos_and_runs_to_the_limit(model, sp):
+    # The same model that ends at once above: without stop_at_eos its greedy EOS tokens are kept and generation
+    # runs to max_new_tokens, each step the argmax of the plain forward over everything so far.
+    torch.manual_seed(0)
+    m = TransformerLM(model.config).eval()
+    with torch.no_grad():
+        m.out.bias[sp.eos_id()] = 50.0
+    gen = Generator(TorchBackend(m), sp)
+    (r,) = gen.generate(["the fox"], SamplingParams(temperature=0, max_new_tokens=5, stop_at_eos=False))
+    ids, want = [sp.eos_id()] + sp.encode("the fox"), []
+    for _ in range(5):
+        with torch.no_grad():
+            want.append(int(m(torch.tensor([ids]))[0][0, -1].masked_fill(gen.banned, float("-inf")).argmax()))
+        ids.append(want[-1])
+    assert r.finish_reason == "length" and r.tokens == want == [sp.eos_id()] * 5
+
+
 def test_unk_is_never_sampled(model, sp):
     torch.manual_seed(0)
     m = TransformerLM(model.config).eval()

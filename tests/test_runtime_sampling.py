@@ -70,6 +70,10 @@ def test_top_p_reference():
             want.append([i in keep for i in range(len(row))])
         assert _kept(top_p_filter(x, p)) == want, p
     assert torch.equal(top_p_filter(x, 1.0), x)
+    # Mass that reaches p exactly (1/4 each, exact in binary) ends the set there: the smallest set reaching p.
+    flat = torch.zeros(1, 4, dtype=torch.float64)
+    for p, n in [(0.25, 1), (0.5, 2), (0.75, 3), (0.7, 3), (0.8, 4)]:
+        assert sum(_kept(top_p_filter(flat, p))[0]) == n, p
 
 
 def test_min_p_reference():

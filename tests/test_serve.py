@@ -276,6 +276,25 @@ def test_a_job_that_cannot_be_admitted_fails_alone(ckpt, ref):
         scheduler.stop()
 
 
+def test_scheduler_keeps_eos_without_stop_at_eos(ckpt, ref):
+    """With stop_at_eos=False the scheduler, like the engine, keeps a sampled EOS and runs to max_new_tokens."""
+    gen = load_generator(ckpt)
+    eos = gen.eos
+    params = SamplingParams(max_new_tokens=4, temperature=0, seed=0, stop_at_eos=False, logit_bias={eos: 100.0})
+    (want,) = ref.generate_ids([gen.encode("the fox")], params)
+    assert want.tokens == [eos] * 4 and want.finish_reason == "length"
+    scheduler, events = Scheduler(gen, max_batch=1), queue.Queue()
+    scheduler.start()
+    try:
+        assert scheduler.submit([Job(gen.encode("the fox"), params, events.put)])
+        while not isinstance(event := events.get(timeout=10), (Finished, Failed)):
+            pass
+        assert isinstance(event, Finished), event
+        assert (event.reason, event.completion_tokens, event.text) == ("length", 4, want.text)
+    finally:
+        scheduler.stop()
+
+
 def test_full_queue_answers_503(ckpt):
     with serving(ckpt, max_batch=1, max_queue=1, limits=Limits(max_tokens=100_000)) as (url, _):
         long = {"model": MODEL, "prompt": "the fox", "max_tokens": 100_000, "temperature": 0, "stream": True}
