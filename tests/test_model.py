@@ -369,3 +369,43 @@ def test_relative_position_table_memo_never_serves_an_autocast_table_to_full_pre
         assert att.rel_pos(6).dtype == torch.float32
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert att.rel_pos(6).dtype == torch.bfloat16
+
+
+def test_relative_position_table_memo_is_not_fooled_by_a_reused_address():
+    # .to(bf16) and back frees the float32 weight, and its successor (same dtype, same version counter) is often
+    # allocated at the freed address: the memo then served the table of the weight before rounding.
+    from switchhead.model.layers import sinusoids
+
+    for seed in range(5):
+        att = _attn(TINY, seed).float().eval()
+        with torch.no_grad():
+            att.rel_pos(6)
+            att.to(torch.bfloat16).float()
+            want = att.pos(sinusoids(6, TINY.d_model)).view(6, -1, TINY.d_head) * att.pos_scale
+            assert torch.equal(att.rel_pos(6), want)
+
+
+def test_memory_returned_under_inference_mode_continues_a_training_forward():
+    # Generation runs under inference mode; its memory is an inference tensor, which autograd refused to save.
+    torch.manual_seed(0)
+    model = TransformerLM(TINY)
+    ids = torch.randint(0, TINY.vocab_size, (2, 5))
+    with torch.inference_mode():
+        _, memory = model(ids)
+    logits, _ = model(ids, memory)
+    logits.mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    torch.testing.assert_close(logits, model(ids, model(ids)[1])[0], rtol=0, atol=0)
+
+
+def test_deepcopy_after_a_training_forward():
+    # The sigma-MoE regulariser of the last forward holds its autograd graph, which copy.deepcopy refuses; an EMA
+    # or best-model snapshot taken between steps must still work and keep the regulariser's value.
+    import copy
+
+    model = TransformerLM(PRESETS["tiny-switchall"])
+    model(torch.zeros(1, 3, dtype=torch.long))
+    copied = copy.deepcopy(model)
+    assert torch.equal(copied.aux_loss(), model.aux_loss().detach())
+    assert copied._sigma_moe[0] is copied.blocks[0].ff
+    model.aux_loss().backward()  # the original's graph is untouched

@@ -123,7 +123,8 @@ class AttentionBase(nn.Module):
         recomputing them ([2T, d] x [d, G*dh] per layer) would cost more than the rest of the step. The key
         includes the weight's version counter, so an in-place update is never served stale, the autocast
         dtype, so a table rounded under autocast never serves a full-precision forward, and inference mode, whose
-        tensors autograd refuses to save (a frozen weight is memoised with grad enabled too)."""
+        tensors autograd refuses to save (a frozen weight is memoised with grad enabled too). Edits through
+        `weight.data` bypass the version counter: make them under `torch.no_grad()` on the weight itself."""
         w = self.pos.weight
         memoise = not (torch.is_grad_enabled() and w.requires_grad) and not torch.compiler.is_compiling()
         key = (n, str(device), w.dtype, _autocast_dtype(device or w.device), w.data_ptr(), w._version,
@@ -133,7 +134,9 @@ class AttentionBase(nn.Module):
         r = self.pos(sinusoids(n, self.cfg.d_model, device, wide(w).dtype).to(w.dtype))
         r = r.view(n, -1, self.cfg.d_head) * self.pos_scale
         if key is not None:
-            self._rel_pos_key, self._rel_pos_value = key, r
+            # The weight's storage is kept alive with the table: once freed (the model moved to another dtype
+            # and back), a new weight may be allocated at its address with the same version, and match the key.
+            self._rel_pos_key, self._rel_pos_value, self._rel_pos_weight = key, r, w.detach()
         return r
 
     def mix(self, q_BTHd: Tensor, k_BSGd: Tensor, v_BSGd: Tensor, pos_q: Tensor, pos_k: Tensor,
@@ -322,6 +325,11 @@ class SigmaMoE(nn.Module):
         sel = init_(torch.empty(e, d), d, n)
         self.sel = nn.Parameter(sel * sel.norm(dim=1).mean() / sel.norm(dim=1, keepdim=True))
         self.last_aux: Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        # A copy (copy.deepcopy, as EMA or best-model snapshots take) keeps the regulariser's value, not the
+        # autograd graph of the last forward: deepcopy refuses tensors that are not graph leaves.
+        return {**super().__getstate__(), "last_aux": None if self.last_aux is None else self.last_aux.detach()}
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         b, t, d = x_BTD.shape

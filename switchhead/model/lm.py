@@ -81,6 +81,10 @@ class TransformerLM(nn.Module):
         self._aux: Tensor | None = None
         self._sigma_moe = [m for m in self.modules() if isinstance(m, SigmaMoE)]  # found once, not per forward
 
+    def __getstate__(self) -> dict:
+        # As `SigmaMoE.__getstate__`: copy.deepcopy after a training forward copies the aux loss, not its graph.
+        return {**super().__getstate__(), "_aux": None if self._aux is None else self._aux.detach()}
+
     def forward(self, input_ids: Tensor, memory: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits [B, T, vocab] and the memory for the next chunk of the same streams.
 
@@ -99,6 +103,10 @@ class TransformerLM(nn.Module):
             memory = None
         if memory is not None:
             self._check_memory(memory, input_ids.shape[0])
+            if torch.is_grad_enabled() and not torch.compiler.is_compiling() and memory.is_inference():
+                # Memory returned under inference mode (as generation runs): autograd refuses to save inference
+                # tensors, and LN1 saves its input. A plain copy carries the same (detached) values.
+                memory = memory.clone()
         logits, aux = [], []
         for chunk in input_ids.split(cfg.chunk_len, dim=1):  # checked once above, not per chunk
             out, memory = self._chunk(chunk, memory)
