@@ -203,3 +203,25 @@ def test_a_backend_runs_a_training_model_in_eval_mode_and_leaves_it_training():
     for logits in (be.logits, lambda x: Backend.logits(be, x)):
         assert _max_err(logits(ids)[0], ref) <= ATOL  # no dropout: the same as in eval mode
         assert m.training
+
+
+@pytest.mark.parametrize("arch", ["tiny-switchhead", "tiny-transformer"])
+def test_torch_backend_follows_a_model_moved_after_it_was_made(arch):
+    # The backend took the model's dtype once: caches of a model later moved to another dtype kept the old one
+    # and decoding failed deep in a matmul. A cache made before the move is refused with a clear error.
+    m = _model(arch)
+    be = TorchBackend(m)
+    rows = [[1, 2, 3, 4, 5], [6, 7]]
+    old = be.new_cache(2)
+    for dtype in (torch.float64, torch.bfloat16, torch.float32):
+        m.to(dtype)
+        fresh = TransformerLM(m.config).to(dtype)
+        fresh.load_state_dict(m.state_dict())
+        want = feed(TorchBackend(fresh), TorchBackend(fresh).new_cache(2), rows, keep="all")
+        cache = be.new_cache(2)
+        assert be.dtype == cache.keys[0].dtype == dtype
+        for got, ref in zip(feed(be, cache, rows, keep="all"), want):
+            assert torch.equal(got, ref)
+    m.double()
+    with pytest.raises(SwitchheadError, match="start a new cache"):
+        feed(be, old, rows)

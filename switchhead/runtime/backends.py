@@ -62,15 +62,27 @@ class TorchBackend(Backend):
     def __init__(self, model: TransformerLM):
         self.model = model  # left in its mode: each call runs in eval mode (no dropout) and restores it
         self.config = model.config
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+
+    # The model's, read at every use: a model moved (.to(), .half()) after the backend was made gets caches of
+    # its new dtype and device.
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @torch.inference_mode()
     def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
         # The model memoises its relative-position tables in inference, so every step after the first
         # reuses them.
+        k, p = cache.keys[0], next(self.model.parameters())
+        if (k.dtype, k.device) != (p.dtype, p.device):
+            raise SwitchheadError(f"the cache holds {k.dtype} on {k.device}; the model is now {p.dtype} on "
+                                  f"{p.device}: start a new cache (backend.new_cache) after moving the model")
         with eval_mode(self.model):
-            return self.model.decode(ids.to(self.device), cache)
+            return self.model.decode(ids.to(p.device), cache)
 
     @torch.inference_mode()
     def logits(self, ids: Tensor, state: object | None = None) -> tuple[Tensor, object]:
