@@ -164,6 +164,34 @@ def test_rope_counts_no_position_projection(attention):
         assert attention_memory(xl) - attention_memory(rope) == heads * 2 * c * t * dh
 
 
+@pytest.mark.parametrize("attention", ["dense", "switchhead", "moa"])
+def test_memory_terms_match_the_built_model(attention):
+    """Against the running model: the score maps' term of attention_memory (logits and probabilities, 2 floats per
+    query-key pair and map) is twice the attention map recorded by a forward with a full memory, for mem_chunks 0
+    and 1; and the XL memory per token is what the forward returns as memory."""
+    import torch
+
+    from switchhead.model.accounting import xl_memory_bytes_per_token
+
+    base = {"dense": "tiny-transformer", "switchhead": "tiny-switchhead", "moa": "tiny-moa"}[attention]
+    for mem in (1, 0):
+        cfg = PRESETS[base].replace(mem_chunks=mem, positional="rope", n_layers=2)  # RoPE: no positional term
+        t, dh = cfg.chunk_len, cfg.d_head
+        torch.manual_seed(0)
+        model = TransformerLM(cfg).eval()
+        model.record_attention(True)
+        ids = torch.randint(0, cfg.vocab_size, (3, 2 * t))
+        with torch.no_grad():
+            _, memory = model(ids)  # the second chunk sees the first as its memory
+        probs = model.blocks[0].attn.last_probs
+        assert probs.shape[-2:] == (t, (1 + mem) * t)
+        maps = probs[0].numel()  # one sequence
+        projections = (2 * cfg.n_heads + 2) * t * dh if attention == "moa" else cfg.n_heads * 4 * t * dh
+        assert attention_memory(cfg) == projections + 2 * maps
+        want = 0 if memory is None else memory.element_size() * memory[:, 0].numel() // t
+        assert xl_memory_bytes_per_token(cfg) == want == 4 * mem * cfg.n_layers * cfg.d_model
+
+
 def test_param_count_matches_hand_count():
     cfg = PRESETS["tiny-switchhead"]
     d, h, e, dh, v, f = cfg.d_model, cfg.n_heads, cfg.n_experts, cfg.d_head, cfg.vocab_size, cfg.d_ff

@@ -161,6 +161,39 @@ def test_moa_records_one_map_per_selected_slot():
         np.testing.assert_allclose(gates[:, 0], chosen.softmax(-1)[:, slot].numpy(), rtol=1e-5)
 
 
+def test_expert_usage_counts_each_tokens_choices_once():
+    """Usage counts against a count of the top-k choices recomputed from the LN1 inputs, token by token and head by
+    head: V counts each token of the text once (its memory-column repeat in the next chunk is not counted again);
+    and the balance figure against the normalised entropy written out."""
+    from switchhead.analysis import balance, expert_usage
+
+    cfg = SMALL
+    model = _model(cfg, seed=3)
+    ids = random.Random(3).choices(range(cfg.vocab_size), k=14)  # chunks of 6, 6, 2 tokens
+    chunks = collect(model, ids)
+    inputs = _layer_inputs(model, ids, cfg.chunk_len)
+    h_n, e_n, k = cfg.n_heads, cfg.n_experts, cfg.k
+    for i, block in enumerate(model.blocks):
+        want = {"v": np.zeros((h_n, e_n), np.int64), "o": np.zeros((h_n, e_n), np.int64)}
+        for c in range(len(chunks)):
+            with torch.no_grad():
+                h = _ln(inputs[c][i], block.ln1)
+                for side, sel in (("v", block.attn.sel_v), ("o", block.attn.sel_o)):
+                    scores = torch.sigmoid(h @ sel.double().T).view(h.shape[0], h_n, e_n)
+                    for t in range(h.shape[0]):
+                        for hd in range(h_n):
+                            for e in scores[t, hd].topk(k).indices.tolist():
+                                want[side][hd, e] += 1
+        got = expert_usage(cfg, chunks, i)
+        assert set(got) == {"v", "o"}
+        for side in ("v", "o"):
+            np.testing.assert_array_equal(got[side], want[side], err_msg=f"layer {i} {side}")
+            for row in got[side]:
+                p = [c / row.sum() for c in row if c]
+                assert balance(row) == pytest.approx(-sum(q * math.log(q) for q in p) / math.log(e_n), abs=1e-12)
+    assert balance(np.array([5, 5, 5, 5])) == pytest.approx(1.0) and balance(np.array([0, 9, 0, 0])) == 0.0
+
+
 def test_windows_and_scores():
     chunk = collect(_model(SMALL), list(range(10)))[1]  # 4 tokens after 6 memory columns
     assert [(w.q0, w.q1, w.k0, w.k1) for w in windows(chunk, 3)] == [(0, 3, 3, 9), (3, 4, 4, 10)]

@@ -122,6 +122,28 @@ def test_unwrap_is_part_of_the_run(corpus, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_unwrap_trains_on_the_joined_paragraphs(corpus, tmp_path):
+    # --unwrap must reach the tokenizer and the token stream, not only run.json: the run is the one trained
+    # verbatim on the text unwrap_paragraphs makes of the file, and not the one trained on the file as it is.
+    from safetensors.torch import load_file
+
+    from switchhead.model.tokenizer import unwrap_paragraphs
+
+    joined = tmp_path / "joined" / "a.txt"
+    joined.parent.mkdir()
+    joined.write_text(unwrap_paragraphs(corpus.read_text()))
+    assert joined.read_text() != corpus.read_text()
+    for out, data, extra in (("unwrapped", corpus, ["--unwrap"]), ("joined-run", joined, []),
+                             ("verbatim", corpus, [])):
+        r = _tiny(tmp_path / out, data, tmp_path, *extra)
+        assert r.exit_code == 0, r.output
+    runs = {out: load_file(str(tmp_path / out / "final" / "model.safetensors"))
+            for out in ("unwrapped", "joined-run", "verbatim")}
+    for k, w in runs["joined-run"].items():
+        assert torch.equal(runs["unwrapped"][k], w), k
+    assert any(not torch.equal(runs["verbatim"][k], w) for k, w in runs["unwrapped"].items())
+
+
 def test_damaged_run_record_on_resume_is_one_line(corpus, tmp_path):
     out = tmp_path / "run"
     assert _tiny(out, corpus, tmp_path).exit_code == 0

@@ -54,6 +54,30 @@ def test_lanes_are_contiguous_and_cover_the_stream():
     assert (part.batch(5)[0] == b.batch(5)[0][2:]).all()
 
 
+@pytest.mark.parametrize("n, lanes, chunk_len", [(56, 4, 7), (60, 4, 7), (57, 4, 7), (1003, 3, 5), (18, 2, 8),
+                                                 (19, 2, 8)])
+def test_every_step_stays_inside_its_lane(n, lanes, chunk_len):
+    # Lane lengths that are a multiple of chunk_len (and one more) are where an epoch of one step too many reads
+    # the next lane's first token, or past the end of the stream, as the last target.
+    stream = TokenStream([np.arange(n)])
+    b = LaneBatcher(stream, n_lanes=lanes, chunk_len=chunk_len)
+    lane_len = n // lanes
+    assert b.lane_len == lane_len
+    # A naive walk: as many whole steps of chunk_len inputs + 1 target as fit inside each lane.
+    steps, start = 0, 0
+    while start + chunk_len + 1 <= lane_len:
+        steps, start = steps + 1, start + chunk_len
+    assert b.steps_per_epoch == steps
+    for step in range(steps):
+        x, y = b.batch(step)
+        for lane in range(lanes):
+            first = lane * lane_len + step * chunk_len
+            assert x[lane].tolist() == list(range(first, first + chunk_len))
+            assert y[lane].tolist() == list(range(first + 1, first + chunk_len + 1))
+            assert y[lane, -1] < (lane + 1) * lane_len  # never the next lane's tokens
+    assert (b.batch(steps)[0] == b.batch(0)[0]).all()  # then the next epoch
+
+
 def test_data_shorter_than_one_batch_is_refused():
     with pytest.raises(SwitchheadError, match="too short"):
         LaneBatcher(TokenStream([np.arange(50)]), n_lanes=4, chunk_len=16)

@@ -117,12 +117,23 @@ def test_gradient_accumulation_follows_the_whole_batch(tmp_path, config):
 
 def test_gradient_norm_is_logged_before_clipping(tmp_path):
     data = _corpus(tmp_path / "a.txt", n_lines=100)
-    opts = dict(config="tiny-switchhead", data=[str(data)], vocab_size=300, steps=2, batch_size=2, log_every=1,
+    opts = dict(data=[str(data)], vocab_size=300, steps=3, batch_size=2, log_every=1,
                 cache_dir=str(tmp_path / "cache"), progress=False)
-    train(TrainOptions(out=str(tmp_path / "clipped"), grad_clip=1e-3, **opts))
-    train(TrainOptions(out=str(tmp_path / "free"), grad_clip=0.0, **opts))
+    train(TrainOptions(out=str(tmp_path / "clipped"), config="tiny-switchhead", grad_clip=1e-3, **opts))
+    train(TrainOptions(out=str(tmp_path / "free"), config="tiny-switchhead", grad_clip=0.0, **opts))
     clipped, free = _metrics(tmp_path / "clipped")[0], _metrics(tmp_path / "free")[0]
     assert clipped["grad_norm"] == pytest.approx(free["grad_norm"], rel=1e-6) and clipped["grad_norm"] > 1e-2
+    # --grad-clip takes effect (not only in the log): it trains exactly as a config with that grad_clip does, and
+    # differently from no clipping (the clip ratio changes from step to step, which Adam does not cancel).
+    cfg = PRESETS["tiny-switchhead"].replace(grad_clip=1e-3)
+    assert cfg.grad_clip != PRESETS["tiny-switchhead"].grad_clip
+    train(TrainOptions(out=str(tmp_path / "config"), config=cfg, **opts))
+    weights = {name: switchhead.load(tmp_path / name / "final")[0].state_dict()
+               for name in ("clipped", "free", "config")}
+    assert switchhead.load(tmp_path / "clipped" / "final")[0].config.grad_clip == 1e-3
+    for k, w in weights["config"].items():
+        assert torch.equal(weights["clipped"][k], w), k
+    assert max((weights["clipped"][k] - w).abs().max().item() for k, w in weights["free"].items()) > 1e-6
 
 
 def _launch(args):

@@ -24,3 +24,24 @@ def test_warmup_then_cosine():
     assert lrs[60] == pytest.approx(1.0)  # half-way through the cosine
     assert lr_at(110, 2.0, 110, warmup=10) == pytest.approx(0.0, abs=1e-12)
     assert lr_at(60, 2.0, 110, warmup=10, min_ratio=0.1) == pytest.approx(0.2 + 1.8 * 0.5)
+
+
+def _naive_lr(step, base, total, warmup, min_ratio):
+    """The documented recipe written out independently: linear warm-up from base/warmup to base over `warmup`
+    updates, then a half cosine from base to min_ratio*base reached at `total` and held from there on."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    done = min(step - warmup, total - warmup) / max(1, total - warmup)
+    return base * min_ratio + base * (1 - min_ratio) * (1 + math.cos(math.pi * done)) / 2
+
+
+@pytest.mark.parametrize("total, warmup, min_ratio", [(100, 0, 0.0), (110, 10, 0.0), (37, 5, 0.25), (8, 3, 0.1),
+                                                      (1, 0, 0.0)])
+def test_every_step_follows_the_recipe_and_holds_past_the_end(total, warmup, min_ratio):
+    # Steps past --steps (a resumed run whose schedule was shortened, a caller looping one step too far) must not
+    # climb the cosine back up: the rate stays at its floor.
+    for step in range(total + 30):
+        want = _naive_lr(step, 3e-4, total, warmup, min_ratio)
+        assert lr_at(step, 3e-4, total, warmup=warmup, min_ratio=min_ratio) == pytest.approx(want, abs=1e-18), step
+    assert lr_at(total + 29, 3e-4, total, warmup=warmup, min_ratio=min_ratio) == pytest.approx(3e-4 * min_ratio,
+                                                                                               abs=1e-18)
