@@ -2,21 +2,105 @@
 
 from __future__ import annotations
 
+import _thread
+import contextlib
+import errno
 import json
+import os
+import signal
 import sys
 
 import click
+import click.utils
 
 from switchhead.errors import SwitchheadError
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised wherever the program is, as Ctrl-C raises KeyboardInterrupt: `finally` blocks and context
+    managers (an atomic output directory's temporary) clean up before the process exits. A BaseException, so
+    that no `except Exception` takes it for an error of its own."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_as_exceptions():
+    """SIGTERM raises `Terminated` while a command runs (unless it is ignored, or we are not the main thread), and
+    an interrupt raised where Python can only report it (a __del__ or weakref callback run by the garbage
+    collector) is delivered again instead of being printed and lost: Ctrl-C always stops the command."""
+    old_term = None
+    with contextlib.suppress(ValueError):  # not the main thread: signals are the caller's
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            old_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    old_hook = sys.unraisablehook
+
+    def redeliver(unraisable):
+        signum = {KeyboardInterrupt: signal.SIGINT, Terminated: signal.SIGTERM}.get(type(unraisable.exc_value))
+        if signum is None:
+            old_hook(unraisable)
+            return
+        # From another thread: sent from here, the handler would raise at once, inside this hook, and be lost
+        # again. The main thread gets it at its next step, back in ordinary code. (_thread: threading's start
+        # waits for the thread in Python code, where the signal would land.)
+        _thread.start_new_thread(os.kill, (os.getpid(), signum))
+
+    sys.unraisablehook = redeliver
+    try:
+        yield
+    finally:
+        sys.unraisablehook = old_hook
+        if old_term is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, old_term)
+
+
+def _stopped(signum: int):
+    """Exit as the shell reports a process stopped by `signum` (130 for Ctrl-C, 143 for SIGTERM), with one line."""
+    newline = "\n" if sys.stderr.isatty() else ""  # the text streamed to a terminal may end mid-line
+    with contextlib.suppress(OSError):
+        click.echo(newline + ("interrupted" if signum == signal.SIGINT else "terminated"), err=True)
+    sys.exit(128 + signum)
+
+
+def _writing_stdout(e: OSError) -> bool:
+    """Whether `e` was raised by a click.echo to standard output (every line the CLI prints goes through it)."""
+    tb, found = e.__traceback__, False
+    while tb is not None:
+        if tb.tb_frame.f_code is click.utils.echo.__code__:
+            found = not tb.tb_frame.f_locals.get("err")
+        tb = tb.tb_next
+    return found
+
+
 class Group(click.Group):
     """Turns user errors into one line on stderr and exit code 2 (no traceback). So is running out of memory, which
-    a command's own checks cannot always foresee (activations grow with the batch and the prompt lengths)."""
+    a command's own checks cannot always foresee (activations grow with the batch and the prompt lengths), and
+    standard output that cannot be written (a full disk). Ctrl-C and SIGTERM stop with exit code 130 or 143 and
+    one line, after the command's cleanup ran; a reader that goes away (`| head`) ends it quietly (click: exit 1)."""
+
+    def main(self, *args, **kwargs):
+        with _signals_as_exceptions():
+            try:
+                return super().main(*args, **kwargs)
+            except Terminated:
+                _stopped(signal.SIGTERM)
+            except OSError as e:
+                if e.errno == errno.EPIPE or not _writing_stdout(e):  # a closed pipe: click's quiet exit
+                    raise
+                with contextlib.suppress(OSError, ValueError):  # nothing more reaches it, even at exit's flush
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, sys.stdout.fileno())
+                click.echo(f"Error: cannot write to standard output: {e.strerror or e}", err=True)
+                sys.exit(2)
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:  # before click's own handling, which says "Aborted!" with exit code 1
+            _stopped(signal.SIGINT)
         except SwitchheadError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)

@@ -151,14 +151,14 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
                 os.chmod(f, 0o666 & ~umask)
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
+        old = path.parent / f".{path.name}.old-{os.getpid()}" if path.exists() else None
         try:
+            if old is not None:
+                os.replace(path, old)
             os.replace(tmp, path)
-        except OSError:
-            if old is not None:  # put the previous output back where its user looks for it
+        except BaseException:  # also Ctrl-C or SIGTERM between the two renames
+            if old is not None and old.exists() and not path.exists():
+                # put the previous output back where its user looks for it
                 with contextlib.suppress(OSError):
                     os.replace(old, path)
             raise
