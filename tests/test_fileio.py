@@ -100,6 +100,31 @@ def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
     assert [p.name for p in out.iterdir()] == ["b"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_atomic_directory_syncs_every_file_before_it_becomes_visible(tmp_path, monkeypatch):
+    # A crash just after the rename must not leave a directory of empty or torn files: each file is fsynced
+    # before the rename that publishes the directory.
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("sync", os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(fileio.os, "fsync", fsync)
+    monkeypatch.setattr(fileio.os, "replace", replace)
+    out = tmp_path / "out"
+    with fileio.atomic_directory(out) as tmp:
+        (tmp / "a").write_text("1")
+        (tmp / "b").write_bytes(b"2")
+    published = events.index(("replace", "out"))
+    synced = {ino for kind, ino in events[:published] if kind == "sync"}
+    assert {(out / name).stat().st_ino for name in ("a", "b")} <= synced, events
+
+
 def test_atomic_directory_keeps_the_old_directory_where_the_final_rename_fails(tmp_path, monkeypatch):
     out = tmp_path / "out"
     with fileio.atomic_directory(out) as tmp:
