@@ -434,34 +434,34 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     from tqdm import tqdm
 
     # Export takes from seconds (tiny) to minutes (large models): show which stage it is in.
-    stages = tqdm(total=4 if quantize else 3, desc="export", unit="stage", disable=not progress)
-    stages.set_postfix_str("tracing the decode step")
-    proto = export_model(model, dtype, opset)
-    stages.update()
-    info = layout(cfg, dtype, quantize)
-    with atomic_directory(out) as tmp:
-        path = tmp / MODEL_FILE
-        if quantize == "int8":
-            # Inside the export's own temporary directory: a process killed while quantising then leaves one
-            # temporary beside the output, which later runs know as such, not a stray directory of its own.
-            with tempfile.TemporaryDirectory(dir=tmp, prefix=".fp32-") as work:
-                fp32 = Path(work) / MODEL_FILE
+    # A `with`: a bar left open when a signal stops the export is drawn again at exit, after the CLI's last line.
+    with tqdm(total=4 if quantize else 3, desc="export", unit="stage", disable=not progress) as stages:
+        stages.set_postfix_str("tracing the decode step")
+        proto = export_model(model, dtype, opset)
+        stages.update()
+        info = layout(cfg, dtype, quantize)
+        with atomic_directory(out) as tmp:
+            path = tmp / MODEL_FILE
+            if quantize == "int8":
+                # Inside the export's own temporary directory: a process killed while quantising then leaves one
+                # temporary beside the output, which later runs know as such, not a stray directory of its own.
+                with tempfile.TemporaryDirectory(dir=tmp, prefix=".fp32-") as work:
+                    fp32 = Path(work) / MODEL_FILE
+                    stages.set_postfix_str("saving")
+                    onnx.save(proto, str(fp32))
+                    stages.update()
+                    stages.set_postfix_str("quantising to int8")
+                    quantize_int8(fp32, path)
+            else:
                 stages.set_postfix_str("saving")
-                onnx.save(proto, str(fp32))
-                stages.update()
-                stages.set_postfix_str("quantising to int8")
-                quantize_int8(fp32, path)
-        else:
-            stages.set_postfix_str("saving")
-            onnx.save(proto, str(path))
-        stages.update()
-        stages.set_postfix_str("checking the model")
-        onnx.checker.check_model(str(path), full_check=True)
-        stages.update()
-        stages.close()
-        (tmp / LAYOUT_FILE).write_text(json.dumps(info, indent=2))
-        (tmp / CONFIG_FILE).write_text(cfg.to_json())
-        if tokenizer is not None:
-            (tmp / TOKENIZER_FILE).write_bytes(tokenizer.serialized_model_proto())
-        size = path.stat().st_size
+                onnx.save(proto, str(path))
+            stages.update()
+            stages.set_postfix_str("checking the model")
+            onnx.checker.check_model(str(path), full_check=True)
+            stages.update()
+            (tmp / LAYOUT_FILE).write_text(json.dumps(info, indent=2))
+            (tmp / CONFIG_FILE).write_text(cfg.to_json())
+            if tokenizer is not None:
+                (tmp / TOKENIZER_FILE).write_bytes(tokenizer.serialized_model_proto())
+            size = path.stat().st_size
     return ExportResult(out, size, info)
