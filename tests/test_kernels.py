@@ -597,8 +597,8 @@ def test_frozen_weight(shape, name, backend):
     out = expert_projection(x, w, index, gate, shape.n_out)
     got = torch.autograd.grad(out, wrt, grad)
     _, want_x, _, *want_gate = naive_all(shape, exact)
-    for name, g, want in zip(["grad_x", "grad_gate"], got, [want_x, *want_gate]):
-        torch.testing.assert_close(g.cpu().double(), want, rtol=2e-5, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    for what, g, want in zip(["grad_x", "grad_gate"], got, [want_x, *want_gate]):
+        torch.testing.assert_close(g.cpu().double(), want, rtol=2e-5, atol=1e-4, msg=lambda m, w=what: f"{w}: {m}")
 
 
 PRODUCTS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::index_add_", "aten::embedding_bag"}

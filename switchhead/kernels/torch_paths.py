@@ -204,15 +204,16 @@ def gather_backward(
     gs = _per_slot(grad, slots).reshape(n * slots, 1, d_out).to(x.dtype)
     u = torch.bmm(gs, w.transpose(1, 2)).view(n * slots, d_in).to(acc)  # un-gated; <x, u> is the gate gradient
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    if gate is not None:
-        g = gate.reshape(-1, 1).to(acc)
+    g = gate.reshape(-1, 1).to(acc) if gate is not None else None
+    if g is not None:
         if need_gate_grad:
             grad_gate = (u * xs.to(acc)).sum(-1).view(n, slots).to(gate.dtype)
         u = u * g
-        gs = (gs.view(n * slots, d_out).to(acc) * g).to(x.dtype)
     grad_x = _reduce_slots(u.view(n, slots, d_in), x.shape[1]).to(x.dtype)
     if not need_weight_grad:
         return grad_x, weight.new_empty(0), grad_gate
+    if g is not None:  # the weight gradient's side of the gate
+        gs = (gs.view(n * slots, d_out).to(acc) * g).to(x.dtype)
     outer = xs.unsqueeze(2).to(acc) * gs.view(n * slots, 1, d_out).to(acc)  # [P, D_in, D_out]
     grad_w = weight.new_zeros(weight.shape, dtype=acc).index_add_(0, flat, outer).to(weight.dtype)  # contiguous
     return grad_x, grad_w, grad_gate
