@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The expert-projection op's GPU checks, in the order they matter, each step's output kept in OUT_DIR/STEP.txt:
+#
+#   bash benchmarks/gpu.sh OUT_DIR                   # every step (~12 min on an H100)
+#   bash benchmarks/gpu.sh OUT_DIR profile frozen    # only these steps
+#
+# Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop; ~3 min),
+# segments (the GPU table, with the kernels over segments beside the default ones; ~6 min), profile (where
+# the GPU time of a call goes, N = 16384), frozen (forward + backward with the weight trained and frozen).
+# A step that fails stops the run: timings of kernels that fail their tests mean nothing.
+# PYTHON picks the interpreter (default: python3).
+set -euo pipefail
+
+steps_all=(tests segments profile frozen)
+if [[ $# -lt 1 || $1 == -* ]]; then
+    echo "usage: bash benchmarks/gpu.sh OUT_DIR [${steps_all[*]}]" >&2
+    exit 2
+fi
+out=$1
+shift
+steps=("$@")
+[[ ${#steps[@]} -gt 0 ]] || steps=("${steps_all[@]}")
+for step in "${steps[@]}"; do
+    if [[ " ${steps_all[*]} " != *" $step "* ]]; then
+        echo "gpu.sh: unknown step '$step'; steps: ${steps_all[*]}" >&2
+        exit 2
+    fi
+done
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python=${PYTHON:-python3}
+export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu.sh: no CUDA device visible to $python; these steps need one" >&2
+    exit 2
+fi
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+run() {
+    local step=$1
+    shift
+    echo "== $step: $*" | tee "$out/$step.txt"
+    (cd "$root/benchmarks" && "$@") 2>&1 | tee -a "$out/$step.txt"
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        tests) run tests env SWITCHHEAD_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider ../tests/test_kernels.py ;;
+        segments) run segments "$python" kernels.py --no-cpu --segments ;;
+        profile) run profile "$python" kernel_profile.py --n 16384 --other --segments ;;
+        frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
+    esac
+done
+echo "gpu.sh: done; outputs in $out"
