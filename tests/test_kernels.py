@@ -8,7 +8,9 @@ op tests on CUDA tensors instead: the compiled kernels, still against the float6
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -240,7 +242,7 @@ def test_torch_regimes_half(shape, regime, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", HALF_SHAPES, ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES + [SHAPES[2]], ids=str)  # SHAPES[2]: no gate
 @pytest.mark.parametrize("regime", REGIMES)
 @pytest.mark.parametrize("widen", [True, False])
 def test_torch_paths_half_widened_or_not(shape, regime, dtype, widen):
@@ -359,7 +361,11 @@ def _split_weight_grad(monkeypatch, shape: Shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[6], SHAPES[10], Shape(45, 3, 6, 1, 3, 16, 24)], ids=str)
+# Shape(65, ...): 130 pairs on one expert in 8 chunks, 8 * 16 + 2: chunks of the pairs / 8 rounded down to whole
+# 16-pair steps (the interpreter's BLOCK_P) would leave the last two out.
+@pytest.mark.parametrize(
+    "shape", [SHAPES[4], SHAPES[6], SHAPES[10], Shape(45, 3, 6, 1, 3, 16, 24), Shape(65, 1, 2, 2, 1, 8, 8)], ids=str
+)
 def test_triton_weight_grad_in_chunks(shape, dtype, backend, monkeypatch):
     """The chunks' partial sums (some chunks empty, some experts without pairs) add up to the whole gradient."""
     backend("triton")
@@ -961,3 +967,141 @@ def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
     assert [m["C_PER"] for m in matmuls] == [6, 3]
     assert [m["ATOMIC"] for m in matmuls] == [not on] * 2
     assert [m["STORE_PER"] for m in matmuls] == ([1, 1] if on else [6, 3])
+
+
+def test_choose_regime_follows_its_documented_thresholds():
+    """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
+    pinned to torch_paths' constants in fp32: gather up to GATHER_MAX_PAIRS pairs (BAG_MAX_PAIRS for a forward
+    that runs as one embedding_bag), dense while its wasted MACs cost at most GROUPED_OVERHEAD_MACS_PER_EXPERT per
+    expert, combo from COMBO_MIN_SEGMENTS_PER_SET segments per expert set, and never dense for the backward of
+    inputs expanded to every expert."""
+    tp = torch_paths
+    choose = tp.choose_regime
+    # sigma-MoE down (I = S, R = 1): segments of one slot, so never combo; contracted inputs
+    down = dict(n_in=4, slots=4, n_out=1, n_experts=16, d_in=64, d_out=64)
+    k = down["slots"]
+    assert choose(tp.GATHER_MAX_PAIRS // k, **down) == "gather"
+    assert choose(tp.GATHER_MAX_PAIRS // k + 1, **down) == "dense"
+    assert choose(tp.BAG_MAX_PAIRS // k, **down, bag=True) == "gather"
+    assert choose(tp.BAG_MAX_PAIRS // k + 1, **down, bag=True) == "dense"
+    assert choose(tp.BAG_MAX_PAIRS // k, **down, backward=True, bag=True) == "dense"  # the bag is forward-only
+    waste = down["n_experts"] * min(down["n_in"], down["n_out"]) / k  # dense's MACs per useful MAC
+    n_dense = int(down["n_experts"] * tp.GROUPED_OVERHEAD_MACS_PER_EXPERT // ((waste - 1) * k * 64 * 64))
+    assert n_dense > tp.BAG_MAX_PAIRS  # the shape tests what it says
+    for backward in (False, True):
+        assert choose(n_dense, **down, backward=backward) == "dense"
+        assert choose(n_dense + 1, **down, backward=backward) == "grouped"
+    # sigma-MoE up (I = 1, R = S): the same waste, but its dense backward would recompute the forward
+    up = dict(down, n_in=1, n_out=4)
+    assert choose(n_dense, **up) == "dense"
+    assert choose(tp.GATHER_MAX_PAIRS // k + 1, **up, backward=True) == "grouped"
+    # SwitchHead V (2 heads of 4 experts, k = 3): segments of 3 slots, C(4, 3) expert sets per head
+    v = dict(n_in=1, slots=6, n_out=2, n_experts=8, d_in=20, d_out=12)
+    n_combo = tp.COMBO_MIN_SEGMENTS_PER_SET * math.comb(4, 3)
+    for backward in (False, True):
+        assert choose(n_combo, **v, backward=backward) == "combo"
+        assert choose(n_combo - 1, **v, backward=backward) != "combo"
+
+
+def test_rows_that_do_not_divide_the_slots_or_a_misshapen_gate_are_rejected():
+    _, (x, w, index, gate, _) = make(SHAPES[3])  # S = 6
+    with pytest.raises(RuntimeError, match=r"dividing S; got x \(5, 4, 20\)"):  # I = 4 does not divide S
+        expert_projection(torch.cat([x] * 4, 1), w, index, gate, 2)
+    for bad in (gate[:, :-1], gate[:-1], gate.reshape(6, 5)):
+        got = re.escape(str(tuple(bad.shape)))
+        with pytest.raises(RuntimeError, match=rf"expected floating-point x .* gate {got}, n_out 2"):
+            expert_projection(x, w, index, bad, 2)
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.float64, None], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fake_backward_has_the_real_gradients_dtypes(dtype, gate_dtype, backend):
+    """The gate gradient takes the gate's dtype (the model routes in fp32 beside half inputs), or x's without a
+    gate, in the fake backward as in the real one (torch.compile builds its graph from the fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    backend("torch")
+    _, (x, w, index, gate, grad) = make(SHAPES[3], dtype)
+    gate = gate.to(gate_dtype) if gate_dtype is not None else None
+    args = (grad, x, w, index, gate, gate is not None, True)
+    real = torch.ops.switchhead.expert_projection_backward(*args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.switchhead.expert_projection_backward(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        )
+    assert [real[0].dtype, real[1].dtype, real[2].dtype] == [dtype, dtype, gate_dtype or dtype]
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+
+
+def _every_other(t):
+    """t's values in a view whose last dimension has stride 2 (as `[..., ::2]` of a wider tensor)."""
+    return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+
+
+# The gather kernel's N, and tiled with widths that need no padding (so no padded copy makes x contiguous)
+@pytest.mark.parametrize("shape", [Shape(3, 2, 4, 2, 5, 16, 16), Shape(12, 2, 4, 1, 5, 16, 32)], ids=str)
+@pytest.mark.parametrize("name", ["reference", "torch", "triton"])
+def test_strided_inputs_match_naive_loop(shape, name, backend):
+    """x with a non-unit stride along D_in and a transposed weight (as nn.Linear stores its own)."""
+    backend(name)
+    exact, cast = make(shape)
+    x, w, index, gate, grad = on_device(cast)
+    x = _every_other(x).requires_grad_()
+    w = w.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    assert x.stride(-1) == 2 and w.stride(-1) != 1
+    gate.requires_grad_()
+    out = expert_projection(x, w, index, gate, shape.n_out)
+    got = [out.detach(), *torch.autograd.grad(out, [x, w, gate], grad)]
+    assert_matches([t.cpu() for t in got], naive_all(shape, exact), torch.float32)
+
+
+@pytest.mark.parametrize("gate_trains", [True, False])
+def test_backward_is_asked_for_the_gradients_that_are_needed(gate_trains):
+    """The backward op is asked for a gate gradient only where the gate requires one (without, the Triton kernels
+    skip their gate-gradient epilogue and the PyTorch paths a reduction per pair), and for a weight gradient only
+    where the weight requires one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Backwards(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.flags = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.switchhead.expert_projection_backward.default:
+                self.flags.append(tuple(args[5:7]))
+            return func(*args, **(kwargs or {}))
+
+    _, (x, w, index, gate, grad) = make(SHAPES[4])
+    x.requires_grad_()
+    gate.requires_grad_(gate_trains)
+    out = expert_projection(x, w, index, gate, SHAPES[4].n_out)
+    with Backwards() as seen:
+        torch.autograd.grad(out, [x] + ([gate] if gate_trains else []), grad)
+    assert seen.flags == [(gate_trains, False)]
+
+
+@pytest.mark.parametrize("need", [(True, True), (False, True), (True, False), (False, False)], ids=str)
+@pytest.mark.parametrize("name", ["reference", "torch", "triton"])
+def test_backward_returns_just_the_gradients_asked_for(name, need, backend):
+    """Each backend's backward leaves the gate's and the weight's gradient empty where they are not asked for, as
+    the fake backward says (torch.compile builds its graph from the fake), and computes the others."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    backend(name)
+    shape = SHAPES[4]
+    exact, cast = make(shape)
+    grad, x, w, index, gate = on_device([cast[4], *cast[:4]])
+    args = (grad, x, w, index, gate, *need)
+    real = torch.ops.switchhead.expert_projection_backward(*args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.switchhead.expert_projection_backward(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        )
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    _, want_x, want_w, want_gate = naive_all(shape, exact)
+    wanted = [want_x] + [want_w] * need[1] + [want_gate] * need[0]
+    got = [real[0]] + [real[1]] * need[1] + [real[2]] * need[0]
+    for g, want in zip(got, wanted):
+        torch.testing.assert_close(g.cpu().double(), want, rtol=2e-5, atol=1e-4)
+    assert [real[1].numel() > 0, real[2].numel() > 0] == [need[1], need[0]]
