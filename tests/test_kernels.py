@@ -567,13 +567,25 @@ def test_no_tokens(shape, name, backend):
     assert gw.shape == w.shape and not gw.any()
 
 
+def _backward_matching_its_fake(args: tuple) -> tuple[torch.Tensor, ...]:
+    """The backward op's real results, checked to have the shapes, strides and dtypes its fake implementation
+    gives (torch.compile builds its graph from the fake, and inductor asserts the real strides)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.ops.switchhead.expert_projection_backward(*args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.switchhead.expert_projection_backward(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        )
+    assert [(t.shape, t.stride(), t.dtype) for t in fake] == [(t.shape, t.stride(), t.dtype) for t in real]
+    return real
+
+
 @pytest.mark.parametrize("strided", ["weight", "x"])
 @pytest.mark.parametrize("regime", REGIMES)
 def test_fake_backward_has_the_real_gradients_strides(strided, regime, monkeypatch):
     """torch.compile (inductor) asserts that the real backward's results have the fake's strides: with a transposed
     weight (as nn.Linear stores its own) or a permuted x both must be contiguous."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     monkeypatch.setattr(torch_paths, "choose_regime", lambda *a, **k: regime)
     g = torch.Generator().manual_seed(3)
     n, e = 40, 6
@@ -581,12 +593,7 @@ def test_fake_backward_has_the_real_gradients_strides(strided, regime, monkeypat
     w = torch.randn(e, 3, 5, generator=g).transpose(1, 2) if strided == "weight" else torch.randn(e, 5, 3, generator=g)
     args = (torch.randn(n, 2, 3, generator=g), x, w, torch.randint(0, e, (n, 4), generator=g), torch.rand(n, 4))
     args += (True, True)
-    real = torch.ops.switchhead.expert_projection_backward(*args)
-    with FakeTensorMode() as mode:
-        fake = torch.ops.switchhead.expert_projection_backward(
-            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
-        )
-    assert [(t.shape, t.stride()) for t in fake] == [(t.shape, t.stride()) for t in real]
+    _backward_matching_its_fake(args)
 
 
 FROZEN_SHAPES = [SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[6], SHAPES[11], Shape(300, 1, 6, 2, 8, 20, 12)]
@@ -1018,19 +1025,12 @@ def test_rows_that_do_not_divide_the_slots_or_a_misshapen_gate_are_rejected():
 def test_fake_backward_has_the_real_gradients_dtypes(dtype, gate_dtype, backend):
     """The gate gradient takes the gate's dtype (the model routes in fp32 beside half inputs), or x's without a
     gate, in the fake backward as in the real one (torch.compile builds its graph from the fake)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     backend("torch")
     _, (x, w, index, gate, grad) = make(SHAPES[3], dtype)
     gate = gate.to(gate_dtype) if gate_dtype is not None else None
     args = (grad, x, w, index, gate, gate is not None, True)
-    real = torch.ops.switchhead.expert_projection_backward(*args)
-    with FakeTensorMode() as mode:
-        fake = torch.ops.switchhead.expert_projection_backward(
-            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
-        )
+    real = _backward_matching_its_fake(args)
     assert [real[0].dtype, real[1].dtype, real[2].dtype] == [dtype, dtype, gate_dtype or dtype]
-    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
 
 
 def _every_other(t):
@@ -1086,19 +1086,12 @@ def test_backward_is_asked_for_the_gradients_that_are_needed(gate_trains):
 def test_backward_returns_just_the_gradients_asked_for(name, need, backend):
     """Each backend's backward leaves the gate's and the weight's gradient empty where they are not asked for, as
     the fake backward says (torch.compile builds its graph from the fake), and computes the others."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     backend(name)
     shape = SHAPES[4]
     exact, cast = make(shape)
     grad, x, w, index, gate = on_device([cast[4], *cast[:4]])
     args = (grad, x, w, index, gate, *need)
-    real = torch.ops.switchhead.expert_projection_backward(*args)
-    with FakeTensorMode() as mode:
-        fake = torch.ops.switchhead.expert_projection_backward(
-            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
-        )
-    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+    real = _backward_matching_its_fake(args)
     _, want_x, want_w, want_gate = naive_all(shape, exact)
     wanted = [want_x] + [want_w] * need[1] + [want_gate] * need[0]
     got = [real[0]] + [real[1]] * need[1] + [real[2]] * need[0]
