@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The expert-projection op's GPU checks, in the order they matter, each step's output kept in OUT_DIR/STEP.txt:
 #
-#   bash benchmarks/gpu.sh OUT_DIR                   # every step (~12 min on an H100)
+#   bash benchmarks/gpu.sh OUT_DIR                   # every step
 #   bash benchmarks/gpu.sh OUT_DIR profile frozen    # only these steps
 #
-# Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop; ~3 min),
-# segments (the GPU table, with the kernels over segments beside the default ones; ~6 min), profile (where
-# the GPU time of a call goes, N = 16384), frozen (forward + backward with the weight trained and frozen).
+# Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), segments (the
+# GPU table, with the kernels over segments beside the default ones), profile (where the GPU time of a call
+# goes, N = 16384), frozen (forward + backward with the weight trained and frozen).
 # A step that fails stops the run: timings of kernels that fail their tests mean nothing.
 # PYTHON picks the interpreter (default: python3).
 set -euo pipefail
