@@ -976,12 +976,12 @@ def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
     assert [m["STORE_PER"] for m in matmuls] == ([1, 1] if on else [6, 3])
 
 
-def test_choose_regime_follows_its_documented_thresholds():
+def test_choose_regime_follows_its_documented_thresholds(monkeypatch):
     """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
     pinned to torch_paths' constants in fp32: gather up to GATHER_MAX_PAIRS pairs (BAG_MAX_PAIRS for a forward
     that runs as one embedding_bag), dense while its wasted MACs cost at most GROUPED_OVERHEAD_MACS_PER_EXPERT per
-    expert, combo from COMBO_MIN_SEGMENTS_PER_SET segments per expert set, and never dense for the backward of
-    inputs expanded to every expert."""
+    expert, combo from COMBO_MIN_SEGMENTS_PER_SET segments per expert set (BF16_COMBO_MIN_SEGMENTS_PER_SET in bf16
+    on a CPU with bf16 instructions), and never dense for the backward of inputs expanded to every expert."""
     tp = torch_paths
     choose = tp.choose_regime
     # sigma-MoE down (I = S, R = 1): segments of one slot, so never combo; contracted inputs
@@ -1008,6 +1008,13 @@ def test_choose_regime_follows_its_documented_thresholds():
     for backward in (False, True):
         assert choose(n_combo, **v, backward=backward) == "combo"
         assert choose(n_combo - 1, **v, backward=backward) != "combo"
+    # bf16 on a CPU with bf16 instructions: combo from its own count (a backward wide enough not to stay dense)
+    monkeypatch.setattr(tp, "native_half", lambda dtype: True)
+    v_wide = dict(v, d_in=256, d_out=256)
+    n_combo = tp.BF16_COMBO_MIN_SEGMENTS_PER_SET * math.comb(4, 3)
+    assert tp.BF16_COMBO_MIN_SEGMENTS_PER_SET != tp.COMBO_MIN_SEGMENTS_PER_SET  # the case tests what it says
+    assert choose(n_combo, **v_wide, backward=True, dtype=torch.bfloat16) == "combo"
+    assert choose(n_combo - 1, **v_wide, backward=True, dtype=torch.bfloat16) == "grouped"
 
 
 def test_rows_that_do_not_divide_the_slots_or_a_misshapen_gate_are_rejected():

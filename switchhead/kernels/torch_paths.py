@@ -53,11 +53,13 @@ BAG_MAX_PAIRS = 64
 GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
 # combo instead of grouped when each expert set is expected to have at least this many segments: tokens /
 # C(experts per head, k). `python benchmarks/kernels.py --threads 1 --n 512 2048 4096 8192 --regimes grouped
-# combo`, grouped vs combo forward / backward ms: 47M O (10 sets) 22.6 / 45.3 vs 20.1 / 42.5 at N = 4096 (410 per
-# set), 11.1 / 22.6 vs 10.5 / 22.0 at N = 2048, 2.8 / 5.9 vs 3.4 / 7.0 at N = 512; 262M O (6 sets) 47.7 / 94.9 vs
-# 46.4 / 94.1 at N = 2048 (341 per set), 12.5 / 25.4 vs 12.5 / 24.9 at N = 512. V-like shapes gain about as much
-# for 47M (25.6 / 49.6 vs 22.9 / 45.6 at N = 4096) and less for 262M.
-COMBO_MIN_SEGMENTS_PER_SET = 256
+# combo`, grouped vs combo forward / backward ms, on an AMD EPYC VM: 47M O (10 sets) 22.6 / 45.3 vs 20.1 / 42.5 at
+# N = 4096 (410 per set), 11.1 / 22.6 vs 10.5 / 22.0 at N = 2048 (205 per set), 2.8 / 5.9 vs 3.4 / 7.0 at N = 512;
+# 262M O (6 sets) 47.7 / 94.9 vs 46.4 / 94.1 at N = 2048 (341 per set), 12.5 / 25.4 vs 12.5 / 24.9 at N = 512. On an
+# Intel Xeon VM (`--n 512 1024 2048 --regimes grouped combo`, two runs) combo pays earlier and by more: 47M V
+# 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 / 31.1-31.7 at N = 2048;
+# 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
+COMBO_MIN_SEGMENTS_PER_SET = 200
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
 DENSE_BROADCAST_MAX_ROWS = 64
@@ -91,6 +93,9 @@ GEMM_PAD_MIN_PAIRS_PER_EXPERT = 2048
 # that the blocked regimes spend beyond dense's GEMM rate (forward only; at or above waste - 1, dense always wins).
 BF16_FORWARD_EXTRA = {"expand": 0.4, "contract": 1.0}  # by _dense_expands_inputs: V-like / O-like
 BF16_OVERHEAD_MACS_PER_EXPERT = {"forward": 14e6, "backward": 12e6}
+# In bf16 combo pays later than in fp32: 47M V / O backward 13.51 / 9.82 (grouped) vs 15.90 / 12.51 ms (combo) at
+# N = 2048, 30.40 / 17.72 vs 25.31 / 18.15 at 4096 (the command above).
+BF16_COMBO_MIN_SEGMENTS_PER_SET = 256
 
 
 def choose_regime(
@@ -110,8 +115,10 @@ def choose_regime(
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
     useful_macs = n * slots * d_in * d_out
-    blocked = "combo" if _combo_pays(n, n_in, slots, n_out, n_experts) else "grouped"
-    if dtype == torch.bfloat16 and native_half(torch.bfloat16):
+    native_bf16 = dtype == torch.bfloat16 and native_half(torch.bfloat16)
+    min_per_set = BF16_COMBO_MIN_SEGMENTS_PER_SET if native_bf16 else COMBO_MIN_SEGMENTS_PER_SET
+    blocked = "combo" if _combo_pays(n, n_in, slots, n_out, n_experts, min_per_set) else "grouped"
+    if native_bf16:
         # dense is weighed first here: O-like forwards stay dense even where combo would pay
         extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if _dense_expands_inputs(n_in, n_out) else "contract"]
         overhead = BF16_OVERHEAD_MACS_PER_EXPERT["backward" if backward else "forward"]
@@ -125,11 +132,11 @@ def choose_regime(
     return "dense" if (waste - 1) * useful_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
 
 
-def _combo_pays(n: int, n_in: int, slots: int, n_out: int, n_experts: int) -> bool:
-    """Segments of several slots, and every expert set a head can choose expected to hold enough of them."""
+def _combo_pays(n: int, n_in: int, slots: int, n_out: int, n_experts: int, min_per_set: int) -> bool:
+    """Segments of several slots, and every expert set a head can choose expected to hold `min_per_set` of them."""
     seg = segment_length(slots, n_in, n_out)
     sets = math.comb(max(seg, round(n_experts * seg / slots)), seg)
-    return seg > 1 and n >= COMBO_MIN_SEGMENTS_PER_SET * sets
+    return seg > 1 and n >= min_per_set * sets
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
