@@ -393,7 +393,7 @@ def _padded(t: Tensor, width: int) -> Tensor:
 
 
 def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, seg: int) -> Tensor:
-    n = index.shape[0]
+    n, slots = index.shape
     d_in, d_out = weight.shape[1:]
     acc = _acc_dtype(x)
     x2 = x.reshape(-1, d_in)
@@ -402,7 +402,10 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
     gate_rows = gate is not None and x.dtype == acc and d_in < d_out
     width = _gemm_width(d_out, x, index, weight.shape[0])
     weight = _padded(weight, width)
-    out = torch.zeros(n * n_out, width, dtype=acc, device=x.device)
+    # Where every output row is exactly one segment's (a V-like head in combo, sigma-MoE up), the products are copied
+    # into place: no zero fill, and no read of the row they would be added to.
+    own = slots // n_out == seg
+    out = (torch.empty if own else torch.zeros)(n * n_out, width, dtype=acc, device=x.device)
     for experts, b in blocks:
         rows = x2.index_select(0, src[b])  # once for the segment's experts
         y = None
@@ -416,7 +419,7 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
             if gates is not None:
                 t.mul_(gates[b, j : j + 1])
             y = t if y is None else y.add_(t)
-        out.index_add_(0, dst[b], y)
+        (out.index_copy_ if own else out.index_add_)(0, dst[b], y)
     return out.view(n, n_out, width)[..., :d_out].to(x.dtype).contiguous()
 
 
@@ -434,7 +437,8 @@ def _segments_backward(
     x2, g2 = x.reshape(-1, d_in), _padded(grad.reshape(-1, d_out).to(x.dtype), out_w)
     slot, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc, seg)
     weight = torch.nn.functional.pad(weight, (0, 0, 0, in_w - d_in)) if in_w != d_in else weight
-    grad_x = torch.zeros(n * x.shape[1], in_w, dtype=acc, device=x.device)
+    own = slots // x.shape[1] == seg  # every input row read by one segment (as `own` in the forward)
+    grad_x = (torch.empty if own else torch.zeros)(n * x.shape[1], in_w, dtype=acc, device=x.device)
     grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device) if need_weight_grad else None
     need_gate_grad = need_gate_grad and gates is not None
     gate_grad_sorted = torch.empty(slot.shape, dtype=acc, device=x.device) if need_gate_grad else None
@@ -462,7 +466,7 @@ def _segments_backward(
                 grad_w[e].addmm_(xs_j.t(), gs_j)
             else:
                 grad_w[e] += (xs_j.t() @ gs_j).to(acc)
-        grad_x.index_add_(0, src[b], gx)
+        (grad_x.index_copy_ if own else grad_x.index_add_)(0, src[b], gx)
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if need_gate_grad:
         grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
