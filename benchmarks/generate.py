@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/generate.py [--context 512] [--tokens 16] [--threads N]
     .venv/bin/python benchmarks/generate.py --against REV [--tokens 16] [--threads N]
+    .venv/bin/python benchmarks/generate.py --dispatch [--tokens 16] [--threads N]
 
 1. Cached decoding vs recomputing the full forward over the whole context at every step (switchhead-47m).
 2. switchhead-47m vs transformer-47m decode tokens/s at batch 1 and 8, cache bytes per token.
@@ -9,7 +10,9 @@
    window and the relative-position tables read) per second, against measured memory-copy bandwidth.
 
 With --against, only a decode-step table instead: the built-in model and switchhead-47m at batch 1 and 8, with
-the PyTorch expert-projection paths as they are now and as of git revision REV, one step each in turn.
+the PyTorch expert-projection paths as they are now and as of git revision REV, one step each in turn. With
+--dispatch, the same table with the op called as the model calls it (directly where that is safe) and always
+through the custom op's dispatcher.
 
 The cache window is a fixed 2T slots, so a decode step costs the same at any context length once the cache
 exists; batch-8 rows are therefore prefilled with short prompts to keep the run to a few minutes.
@@ -22,12 +25,14 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from kernels import _paths_at
 
 from switchhead import PRESETS, TransformerLM, load
-from switchhead.kernels import torch_paths
+from switchhead.kernels import ops, torch_paths
+from switchhead.model import layers
 from switchhead.model.accounting import kv_cache_bytes_per_token
 from switchhead.runtime import TorchBackend, feed
 
@@ -110,13 +115,35 @@ def touched_bytes(model: TransformerLM, be: TorchBackend, cache, batch: int, gen
 
 
 def against_table(rev: str, tokens: int, gen: torch.Generator) -> None:
-    """Decode ms / step with the current PyTorch paths and with those of `rev`, one step each in turn: the cache
-    window is fixed, so every step of a model costs the same whichever variant ran the step before."""
-    variants = {"current": (torch_paths.forward, torch_paths.backward)}
+    """Decode ms / step with the current PyTorch paths and with those of `rev`."""
     old = _paths_at(rev)
-    variants[f"@{rev}"] = (old.forward, old.backward)
-    print(f"\n## decode ms / step, PyTorch paths now and at {rev} (median of {tokens} steps each)")
-    print(f"| model | batch | current | @{rev} | current / @{rev} |")
+    current = torch_paths.forward, torch_paths.backward
+
+    def use(paths) -> Callable[[], None]:
+        return lambda: (setattr(torch_paths, "forward", paths[0]), setattr(torch_paths, "backward", paths[1]))
+
+    title = f"PyTorch paths now and at {rev}"
+    variant_table(title, {"current": use(current), f"@{rev}": use((old.forward, old.backward))}, tokens, gen)
+
+
+def dispatch_table(tokens: int, gen: torch.Generator) -> None:
+    """Decode ms / step with the op's implementation called directly where that is safe (`ops.project`, what the
+    model does) and always through the custom op's dispatcher."""
+
+    def use(fn) -> Callable[[], None]:
+        return lambda: setattr(layers, "project", fn)
+
+    variants = {"direct": use(ops.project), "dispatcher": use(ops.expert_projection)}
+    variant_table("the op called directly and through its dispatcher", variants, tokens, gen)
+
+
+def variant_table(title: str, variants: dict[str, Callable[[], None]], tokens: int, gen: torch.Generator) -> None:
+    """Decode ms / step of the built-in model and switchhead-47m with each variant installed in turn, one step each:
+    the cache window is fixed, so every step of a model costs the same whichever variant ran the step before. The
+    first variant is the one left installed."""
+    first, second = variants
+    print(f"\n## decode ms / step, {title} (median of {tokens} steps each)")
+    print(f"| model | batch | {first} | {second} | {first} / {second} |")
     print("|---|---|---|---|---|")
     models = {"built-in": load()[0], "switchhead-47m": build("switchhead-47m")}
     try:
@@ -128,13 +155,13 @@ def against_table(rev: str, tokens: int, gen: torch.Generator) -> None:
                     cache = be.new_cache(batch)
                     feed(be, cache, torch.randint(0, model.config.vocab_size, (batch, 64), generator=gen).tolist())
                     for _ in range(tokens + 1):  # the first round warms up
-                        for v, (fwd, bwd) in variants.items():
-                            torch_paths.forward, torch_paths.backward = fwd, bwd
+                        for v, install in variants.items():
+                            install()
                             times[v].append(time_decode(be, cache, batch, 1, gen))
-                now, then = (statistics.median(ts[1:]) * 1e3 for ts in times.values())
-                print(f"| {name} | {batch} | {now:.2f} | {then:.2f} | {now / then:.2f} |", flush=True)
+                a, b = (statistics.median(ts[1:]) * 1e3 for ts in times.values())
+                print(f"| {name} | {batch} | {a:.2f} | {b:.2f} | {a / b:.2f} |", flush=True)
     finally:
-        torch_paths.forward, torch_paths.backward = variants["current"]
+        variants[first]()
 
 
 def main() -> None:
@@ -144,6 +171,8 @@ def main() -> None:
     ap.add_argument("--recompute-steps", type=int, default=3, help="full forwards timed for the recompute row")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     ap.add_argument("--against", metavar="REV", help="only time decode steps beside the PyTorch paths of REV")
+    ap.add_argument("--dispatch", action="store_true", help="only time decode steps with the op called directly "
+                    "(as the model does where that is safe) and through the custom op's dispatcher")
     args = ap.parse_args()
     for name in ("context", "tokens", "recompute_steps", "threads"):
         if getattr(args, name) < 1:
@@ -154,6 +183,9 @@ def main() -> None:
           f"{args.threads} threads, load average {os.getloadavg()[0]:.1f} at start")
     if args.against:
         against_table(args.against, args.tokens, gen)
+        return
+    if args.dispatch:
+        dispatch_table(args.tokens, gen)
         return
     bw = copy_bandwidth()
     print(f"# memory copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")

@@ -1105,3 +1105,78 @@ def test_backward_returns_just_the_gradients_asked_for(name, need, backend):
     for g, want in zip(got, wanted):
         torch.testing.assert_close(g.cpu().double(), want, rtol=2e-5, atol=1e-4)
     assert [real[1].numel() > 0, real[2].numel() > 0] == [need[1], need[0]]
+
+
+def _dispatched(fn) -> tuple[object, bool]:
+    """fn()'s result, and whether the custom op went through the dispatcher (the profiler records it there)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, any(e.name == "switchhead::expert_projection" for e in prof.events())
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # torch's own use, and the trace below
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4], SHAPES[6]], ids=str)
+def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend):
+    """The model's entry point calls the op's implementation directly in eager CPU calls that record no graph (the
+    dispatch is a large part of a decode step's op), with the op's exact result, and the op itself wherever autograd,
+    a dispatch mode or forward-mode AD is about."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from switchhead.kernels.ops import project
+
+    backend("torch")
+    _, (x, w, index, gate, _) = make(shape)
+    args = (x, w, index, gate, shape.n_out)
+    with torch.no_grad():
+        want = expert_projection(*args)
+    for context in (torch.inference_mode, torch.no_grad):
+        with context():
+            got, dispatched = _dispatched(lambda: project(*args))
+        assert not dispatched
+        assert torch.equal(got, want)
+    trained = [t.detach().requires_grad_() for t in (x, w)]
+    with torch.no_grad():  # requires grad, but no graph is recorded
+        got, dispatched = _dispatched(lambda: project(*trained, index, gate, shape.n_out))
+    assert not dispatched and torch.equal(got, want) and not got.requires_grad
+    got, dispatched = _dispatched(lambda: project(*trained, index, gate, shape.n_out))
+    assert dispatched and torch.equal(got.detach(), want)
+    assert all(g is not None for g in torch.autograd.grad(got.sum(), trained))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Seen() as seen:
+        assert torch.equal(project(*args), want)
+    assert torch.ops.switchhead.expert_projection.default in seen.ops
+    with torch.no_grad(), torch.device("cpu"):  # a function mode
+        assert _dispatched(lambda: project(*args))[1]
+
+    class Sub(torch.Tensor):
+        pass
+
+    with torch.no_grad():
+        assert _dispatched(lambda: project(x.as_subclass(Sub), w, index, gate, shape.n_out))[1]
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda x: project(x, w, index, gate, shape.n_out), x)
+    assert "switchhead::expert_projection" in str(traced.graph)
+    graph = []
+
+    def record(gm, example_inputs):
+        graph.extend(node.target for node in gm.graph.nodes)
+        return gm.forward
+
+    with torch.no_grad():  # dynamo traces the op, not the CPU paths behind it
+        assert torch.equal(torch.compile(project, backend=record, fullgraph=True)(*args), want)
+    assert torch.ops.switchhead.expert_projection.default in graph
+    with torch.autograd.forward_ad.dual_level(), torch.no_grad():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        got, dispatched = _dispatched(lambda: project(dual, w, index, gate, shape.n_out))
+    assert dispatched and torch.equal(torch.autograd.forward_ad.unpack_dual(got).primal, want)
+    meta = [t.to("meta") for t in (x, w, index)] + [gate.to("meta") if gate is not None else None]
+    assert project(*meta, shape.n_out).shape == want.shape  # the op's fake implementation, not the CPU paths

@@ -33,6 +33,10 @@ Reverse-mode autograd only: like any torch.library custom op with just `register
 reverse-mode transforms (`grad`, `jacrev`) refuse it, while forward mode (torch.autograd.forward_ad,
 `torch.func.jvp`, `jacfwd`) silently gives its output a zero tangent.
 
+The model calls it through `project`, which runs the same implementation without the dispatcher where nothing
+needs the op itself: eager CPU calls that record no autograd graph (inference and decoding), outside tracing,
+modes and transforms.
+
 Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`; float64 ones -> PyTorch, since the
 kernels accumulate in float32), anything else -> PyTorch (`torch_paths`, which picks a regime by shape). The
 environment variable ``SWITCHHEAD_KERNEL`` (read at every call) overrides this: ``triton`` (on CPU tensors this
@@ -153,6 +157,41 @@ def _shape_error(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, 
 @torch.library.custom_op("switchhead::expert_projection", mutates_args=())
 def expert_projection(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     """See the module docstring: [N, I, D_in] x [E, D_in, D_out] -> [N, n_out, D_out]."""
+    return _forward(x, weight, index, gate, n_out)
+
+
+def project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    """`expert_projection`, with its implementation called directly where the dispatcher would add nothing but time:
+    an eager CPU call that records no autograd graph (inference, decoding), outside compile and export tracing,
+    dispatch and function modes, functorch transforms and tensor subclasses. At batch-1 decode the custom op's
+    dispatch is a large part of the op (docs/BENCHMARKS.md, "Decode: the op without its dispatcher")."""
+    if _plain_eager(x, weight, index, gate):
+        return _forward(x, weight, index, gate, n_out)
+    return expert_projection(x, weight, index, gate, n_out)
+
+
+def _plain_eager(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> bool:
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or x.device.type != "cpu":
+        return False
+    if torch.autograd.forward_ad._current_level >= 0:
+        return False  # dual tensors may be about: the op's forward-mode behaviour (a zero tangent) stays the same
+    grads = x.requires_grad or weight.requires_grad or (gate is not None and gate.requires_grad)
+    if grads and torch.is_grad_enabled():
+        return False  # the op's autograd formula is needed
+    plain = (Tensor, torch.nn.Parameter)
+    if type(x) not in plain or type(weight) not in plain or type(index) not in plain:
+        return False
+    if gate is not None and type(gate) not in plain:
+        return False
+    # A mode or transform expects to see the op itself (tracing, fake tensors, vmap, observers).
+    return (
+        torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+    )
+
+
+def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     _check(x, weight, index, gate, n_out)
     backend = backend_for(x)
     if x.shape[0] == 0:  # no tokens: nothing to launch (and no per-backend corner case to get right)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from switchhead.kernels import expert_projection
+from switchhead.kernels.ops import project
 from switchhead.model.config import ModelConfig
 
 
@@ -60,7 +60,7 @@ def moe_project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
         gate = None if gate is None else gate.to(dtype)
-    return expert_projection(x, weight, index, gate, n_out)
+    return project(x, weight, index, gate, n_out)
 
 
 def routing_logits(x_ND: Tensor, w_sel: Tensor) -> Tensor:
