@@ -170,8 +170,18 @@ def project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     return expert_projection(x, weight, index, gate, n_out)
 
 
+# Private torch state that tells whether a mode or transform is active; in a torch without it, `project` always goes
+# through the dispatcher.
+_MODE_PROBES = (
+    getattr(torch._C, "_len_torch_dispatch_stack", None),
+    getattr(torch._C, "_len_torch_function_stack", None),
+    getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None),
+)
+_PROBED = all(_MODE_PROBES) and hasattr(torch.autograd.forward_ad, "_current_level")
+
+
 def _plain_eager(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> bool:
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or x.device.type != "cpu":
+    if not _PROBED or torch.compiler.is_compiling() or torch.jit.is_tracing() or x.device.type != "cpu":
         return False
     if torch.autograd.forward_ad._current_level >= 0:
         return False  # dual tensors may be about: the op's forward-mode behaviour (a zero tangent) stays the same
@@ -184,11 +194,8 @@ def _plain_eager(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) 
     if gate is not None and type(gate) not in plain:
         return False
     # A mode or transform expects to see the op itself (tracing, fake tensors, vmap, observers).
-    return (
-        torch._C._len_torch_dispatch_stack() == 0
-        and torch._C._len_torch_function_stack() == 0
-        and torch._C._functorch.peek_interpreter_stack() is None
-    )
+    dispatch_modes, function_modes, transforms = _MODE_PROBES
+    return dispatch_modes() == 0 and function_modes() == 0 and transforms() is None
 
 
 def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
