@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from switchhead.errors import SwitchheadError
 from switchhead.kernels import expert_projection, reference, torch_paths
@@ -1062,30 +1063,31 @@ def test_strided_inputs_match_naive_loop(shape, name, backend):
     assert_matches([t.cpu() for t in got], naive_all(shape, exact), torch.float32)
 
 
+class _Dispatches(TorchDispatchMode):
+    """Records every op dispatched under it, with its arguments (observing, not replacing, the real calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("gate_trains", [True, False])
 def test_backward_is_asked_for_the_gradients_that_are_needed(gate_trains):
     """The backward op is asked for a gate gradient only where the gate requires one (without, the Triton kernels
     skip their gate-gradient epilogue and the PyTorch paths a reduction per pair), and for a weight gradient only
     where the weight requires one."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Backwards(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.flags = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.switchhead.expert_projection_backward.default:
-                self.flags.append(tuple(args[5:7]))
-            return func(*args, **(kwargs or {}))
-
     _, (x, w, index, gate, grad) = make(SHAPES[4])
     x.requires_grad_()
     gate.requires_grad_(gate_trains)
     out = expert_projection(x, w, index, gate, SHAPES[4].n_out)
-    with Backwards() as seen:
+    with _Dispatches() as seen:
         torch.autograd.grad(out, [x] + ([gate] if gate_trains else []), grad)
-    assert seen.flags == [(gate_trains, False)]
+    backward = torch.ops.switchhead.expert_projection_backward.default
+    assert [tuple(args[5:7]) for func, args in seen.calls if func is backward] == [(gate_trains, False)]
 
 
 @pytest.mark.parametrize("need", [(True, True), (False, True), (True, False), (False, False)], ids=str)
@@ -1118,10 +1120,9 @@ def _dispatched(fn) -> tuple[object, bool]:
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4], SHAPES[6]], ids=str)
 def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend):
     """The model's entry point calls the op's implementation directly in eager CPU calls that record no graph (the
-    dispatch is a large part of a decode step's op), with the op's exact result, and the op itself wherever autograd,
-    a dispatch mode or forward-mode AD is about."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    dispatch is a large part of a decode step's op), with the op's exact result, and the op itself wherever autograd
+    records, or a dispatch or function mode, a tensor subclass, jit tracing, dynamo, forward-mode AD or a meta tensor
+    is about."""
     from switchhead.kernels.ops import project
 
     backend("torch")
@@ -1142,18 +1143,9 @@ def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend
     assert dispatched and torch.equal(got.detach(), want)
     assert all(g is not None for g in torch.autograd.grad(got.sum(), trained))
 
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with torch.inference_mode(), Seen() as seen:
+    with torch.inference_mode(), _Dispatches() as seen:
         assert torch.equal(project(*args), want)
-    assert torch.ops.switchhead.expert_projection.default in seen.ops
+    assert torch.ops.switchhead.expert_projection.default in [func for func, _ in seen.calls]
     with torch.no_grad(), torch.device("cpu"):  # a function mode
         assert _dispatched(lambda: project(*args))[1]
 

@@ -56,9 +56,9 @@ GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
 # combo`, grouped vs combo forward / backward ms, on an AMD EPYC VM: 47M O (10 sets) 22.6 / 45.3 vs 20.1 / 42.5 at
 # N = 4096 (410 per set), 11.1 / 22.6 vs 10.5 / 22.0 at N = 2048 (205 per set), 2.8 / 5.9 vs 3.4 / 7.0 at N = 512;
 # 262M O (6 sets) 47.7 / 94.9 vs 46.4 / 94.1 at N = 2048 (341 per set), 12.5 / 25.4 vs 12.5 / 24.9 at N = 512. On an
-# Intel Xeon VM (`--n 512 1024 2048 --regimes grouped combo`, two runs) combo pays earlier and by more: 47M V
-# 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 / 31.1-31.7 at N = 2048;
-# 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
+# Intel Xeon VM (`--n 32 64 128 256 512 1024 2048 4096 --regimes dense grouped combo`, two runs) combo pays earlier
+# and by more: 47M V 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 /
+# 31.1-31.7 at N = 2048; 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
 COMBO_MIN_SEGMENTS_PER_SET = 200
 # Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
@@ -375,6 +375,12 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
     return _Plan(slot, first // (slots // n_in), first // (slots // n_out), gates, blocks)
 
 
+def _one_segment_per_row(slots: int, rows: int, seg: int) -> bool:
+    """Is every row (of the output, or of x for its gradient) exactly one segment's? Then the products are copied into
+    place (`index_copy_`): no zero fill, and no read of the row they would be added to."""
+    return slots // rows == seg
+
+
 def aligned(d: int) -> int:
     """d rounded up to a multiple of GEMM_ALIGN."""
     return -(-d // GEMM_ALIGN) * GEMM_ALIGN
@@ -402,9 +408,7 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
     gate_rows = gate is not None and x.dtype == acc and d_in < d_out
     width = _gemm_width(d_out, x, index, weight.shape[0])
     weight = _padded(weight, width)
-    # Where every output row is exactly one segment's (a V-like head in combo, sigma-MoE up), the products are copied
-    # into place: no zero fill, and no read of the row they would be added to.
-    own = slots // n_out == seg
+    own = _one_segment_per_row(slots, n_out, seg)  # a V-like head in combo, sigma-MoE up
     out = (torch.empty if own else torch.zeros)(n * n_out, width, dtype=acc, device=x.device)
     for experts, b in blocks:
         rows = x2.index_select(0, src[b])  # once for the segment's experts
@@ -437,7 +441,7 @@ def _segments_backward(
     x2, g2 = x.reshape(-1, d_in), _padded(grad.reshape(-1, d_out).to(x.dtype), out_w)
     slot, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc, seg)
     weight = torch.nn.functional.pad(weight, (0, 0, 0, in_w - d_in)) if in_w != d_in else weight
-    own = slots // x.shape[1] == seg  # every input row read by one segment (as `own` in the forward)
+    own = _one_segment_per_row(slots, x.shape[1], seg)  # an O-like head in combo, sigma-MoE down
     grad_x = (torch.empty if own else torch.zeros)(n * x.shape[1], in_w, dtype=acc, device=x.device)
     grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device) if need_weight_grad else None
     need_gate_grad = need_gate_grad and gates is not None
