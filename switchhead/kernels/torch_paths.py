@@ -376,9 +376,25 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
 
 
 def _one_segment_per_row(slots: int, rows: int, seg: int) -> bool:
-    """Is every row (of the output, or of x for its gradient) exactly one segment's? Then the products are copied into
-    place (`index_copy_`): no zero fill, and no read of the row they would be added to."""
+    """Is every row (of the output, or of x for its gradient) exactly one segment's? Then the products are written in
+    the segments' order and gathered back into row order at the end (`_unsorted`): no zero fill, no read of the row
+    they would be added to, and a gather instead of a scatter, which on the CPU moves narrow rows 2-3x faster."""
     return slots // rows == seg
+
+
+def _product(a: Tensor, b: Tensor, acc: torch.dtype, out: Tensor | None) -> Tensor:
+    """a @ b in the accumulation dtype, written into `out` where one is given."""
+    if out is None:
+        y = a @ b
+        return y if y.dtype == acc else y.to(acc)
+    return torch.mm(a, b, out=out) if a.dtype == acc else out.copy_(a @ b)
+
+
+def _unsorted(rows_sorted: Tensor, order: Tensor, width: int) -> Tensor:
+    """The first `width` columns of the rows, moved from the segments' order back to row order (order[i] = the row
+    of sorted row i, a permutation)."""
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+    return rows_sorted[:, :width].index_select(0, inverse)
 
 
 def aligned(d: int) -> int:
@@ -409,21 +425,25 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
     width = _gemm_width(d_out, x, index, weight.shape[0])
     weight = _padded(weight, width)
     own = _one_segment_per_row(slots, n_out, seg)  # a V-like head in combo, sigma-MoE up
-    out = (torch.empty if own else torch.zeros)(n * n_out, width, dtype=acc, device=x.device)
+    out = (torch.empty if own else torch.zeros)(n * n_out, width, dtype=acc, device=x.device)  # own: sorted rows
     for experts, b in blocks:
         rows = x2.index_select(0, src[b])  # once for the segment's experts
         y = None
         for j, e in enumerate(experts):
+            into = out[b] if own and y is None else None
             if gate_rows:  # the products add up inside the GEMMs
                 last = j == len(experts) - 1
                 gated = rows.mul_(gates[b, j : j + 1]) if last else rows * gates[b, j : j + 1]
-                y = gated @ weight[e] if y is None else y.addmm_(gated, weight[e])
+                y = _product(gated, weight[e], acc, into) if y is None else y.addmm_(gated, weight[e])
                 continue
-            t = (rows @ weight[e]).to(acc)
+            t = _product(rows, weight[e], acc, into)
             if gates is not None:
                 t.mul_(gates[b, j : j + 1])
             y = t if y is None else y.add_(t)
-        (out.index_copy_ if own else out.index_add_)(0, dst[b], y)
+        if not own:
+            out.index_add_(0, dst[b], y)
+    if own:
+        return _unsorted(out, dst, d_out).view(n, n_out, d_out).to(x.dtype)
     return out.view(n, n_out, width)[..., :d_out].to(x.dtype).contiguous()
 
 
@@ -442,6 +462,7 @@ def _segments_backward(
     slot, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc, seg)
     weight = torch.nn.functional.pad(weight, (0, 0, 0, in_w - d_in)) if in_w != d_in else weight
     own = _one_segment_per_row(slots, x.shape[1], seg)  # an O-like head in combo, sigma-MoE down
+    # own: in the segments' order
     grad_x = (torch.empty if own else torch.zeros)(n * x.shape[1], in_w, dtype=acc, device=x.device)
     grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device) if need_weight_grad else None
     need_gate_grad = need_gate_grad and gates is not None
@@ -452,7 +473,7 @@ def _segments_backward(
         for j, e in enumerate(experts):
             # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u>
             # (= <x @ W, g>), so the forward is never recomputed: three GEMMs per expert, as for a linear layer.
-            u = (gs[:, :d_out] @ weight[e].t()).to(acc)
+            u = _product(gs[:, :d_out], weight[e].t(), acc, grad_x[b] if own and gx is None else None)
             g = gates[b, j : j + 1] if gates is not None else None
             if g is not None:
                 if need_gate_grad:
@@ -470,13 +491,14 @@ def _segments_backward(
                 grad_w[e].addmm_(xs_j.t(), gs_j)
             else:
                 grad_w[e] += (xs_j.t() @ gs_j).to(acc)
-        (grad_x.index_copy_ if own else grad_x.index_add_)(0, src[b], gx)
+        if not own:
+            grad_x.index_add_(0, src[b], gx)
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if need_gate_grad:
         grad_gate = torch.empty(n * slots, dtype=gate.dtype, device=x.device)
         grad_gate.index_copy_(0, slot.reshape(-1), gate_grad_sorted.reshape(-1).to(gate.dtype))
         grad_gate = grad_gate.view(n, slots)
-    grad_x = grad_x[:, :d_in].reshape(x.shape).to(x.dtype).contiguous()
+    grad_x = (_unsorted(grad_x, src, d_in) if own else grad_x[:, :d_in]).reshape(x.shape).to(x.dtype).contiguous()
     if grad_w is None:
         return grad_x, weight.new_empty(0), grad_gate
     return grad_x, grad_w[..., :d_out].to(weight.dtype).contiguous(), grad_gate
