@@ -271,13 +271,14 @@ def _with_block_elements(fn: Callable, size: int) -> Callable:
     return run
 
 
-def block_table(ns: list[int], sizes: list[int], repeats: int) -> list[str]:
-    """The grouped regime at several block sizes (0: one block per expert)."""
+def block_table(ns: list[int], sizes: list[int], repeats: int, regimes: tuple[str, ...] = ("grouped",)) -> list[str]:
+    """The blocked regimes (grouped, combo) at several block sizes (0: one block per expert set)."""
     variants = {
-        f"{s // 1024}K" if s else "expert": (
-            _with_block_elements(torch_paths.grouped_forward, s),
-            _with_block_elements(torch_paths.grouped_backward, s),
+        (f"{s // 1024}K" if s else "expert") + ("" if regimes == ("grouped",) else f" {r}"): (
+            _with_block_elements(torch_paths.FORWARD[r], s),
+            _with_block_elements(torch_paths.BACKWARD[r], s),
         )
+        for r in regimes
         for s in sizes
     }
     return _fwd_bwd_table(ns, variants, repeats)
@@ -508,7 +509,7 @@ def main() -> None:
         "--block-elements",
         type=int,
         nargs="+",
-        help="only time the grouped regime at these block sizes (0: whole experts)",
+        help="only time the grouped regime (or those of --regimes) at these block sizes (0: whole expert sets)",
     )
     parser.add_argument("--regimes", nargs="+", choices=list(torch_paths.FORWARD), help="only time these regimes")
     parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
@@ -563,6 +564,13 @@ def main() -> None:
                   f"backward ({args.dtype}, {what}, ms)\n")  # fmt: skip
             regime_table(args.n, args.regimes, 0, args.against, dtype, "cuda", each_call(timer), triton=True)
         return
+    if args.block_elements:
+        regimes = tuple(args.regimes or ["grouped"])
+        if set(regimes) - {"grouped", "combo"} or args.against:
+            parser.error("--block-elements times the blocked regimes (grouped, combo) of the current code only")
+        print(f"\n## CPU {' and '.join(regimes)} by block size (fp32, best of the interleaved repeats, ms)\n")
+        block_table(args.n, args.block_elements, 5 if args.quick else 15, regimes)
+        return
     if args.regimes:
         print(f"\n## CPU regimes, forward and backward ({args.dtype}, best of the interleaved repeats, ms)\n")
         regime_table(args.n, args.regimes, 5 if args.quick else 15, args.against, getattr(torch, args.dtype))
@@ -574,10 +582,6 @@ def main() -> None:
     if args.gemm_widths:
         print("\n## CPU GEMMs of one expert, result rows as they are and padded (fp32, best of interleaved repeats)\n")
         width_table(args.n, 5 if args.quick else 15)
-        return
-    if args.block_elements:
-        print("\n## CPU grouped regime by block size (fp32, best of the interleaved repeats, ms)\n")
-        block_table(args.n, args.block_elements, 5 if args.quick else 15)
         return
     if not args.no_cpu:
         print(f"\n## CPU ({args.dtype}, best of the interleaved repeats, ms)\n")
