@@ -935,6 +935,27 @@ def test_gemm_width_table_lists_the_unaligned_products():
     assert all(float(r[5]) > 0 and float(r[6]) > 0 and float(r[7]) > 0 for r in rows), rows
 
 
+def test_block_table_sweeps_each_blocked_regime(monkeypatch):
+    """`benchmarks/kernels.py --block-elements ... --regimes grouped combo`: every regime at every block size, each
+    cell run with that size in force (0: one block per expert set) and the size restored afterwards."""
+    bench_module = _benchmark_module()
+    seen = []
+    plan = torch_paths._plan
+
+    def recording_plan(*args):
+        seen.append((args[-1] > 1, torch_paths.GROUPED_BLOCK_ELEMENTS))  # (combo's segments, block size)
+        return plan(*args)
+
+    monkeypatch.setattr(torch_paths, "_plan", recording_plan)
+    lines = bench_module.block_table([9], [4096, 0], 1, ("grouped", "combo"))
+    assert torch_paths.GROUPED_BLOCK_ELEMENTS == 256 * 1024
+    assert lines[0].split("|")[3:-1:2] == [f" {s} {r} fwd " for r in ("grouped", "combo") for s in ("4K", "expert")]
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [r[0].strip() for r in rows] == [c.name for c in bench_module.CASES]
+    assert all(len(r) == 2 + 2 * 4 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
+    assert set(seen) == {(False, 4096), (False, 1 << 62), (True, 4096), (True, 1 << 62)}
+
+
 @contextmanager
 def deterministic_algorithms(on: bool):
     before = torch.are_deterministic_algorithms_enabled()
