@@ -720,6 +720,18 @@ def test_index_dtypes(backend):
         expert_projection(x, w, index.float(), gate, 2)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[4], SHAPES[6]], ids=str)
+@pytest.mark.parametrize("regime", REGIMES)
+def test_regimes_take_int32_index(shape, regime):
+    """Every regime, forward and backward, gives with an int32 index exactly what it gives with int64."""
+    _, cast = make(shape)
+    x, w, index, gate, grad = cast
+    want = via_regime(shape, cast, regime)
+    got = via_regime(shape, (x, w, index.int(), gate, grad), regime)
+    for g, v in zip(got, want):
+        assert torch.equal(g, v)
+
+
 def test_reference_is_the_naive_loop():
     # The reference path is the yardstick used elsewhere; check it separately, in float64 end to end.
     exact, _ = make(SHAPES[4])
