@@ -463,8 +463,7 @@ def _segments_backward(
     slot, src, dst, gates, blocks = _plan(index, gate, weight, x.shape[1], grad.shape[1], acc, seg)
     weight = torch.nn.functional.pad(weight, (0, 0, 0, in_w - d_in)) if in_w != d_in else weight
     own = _one_segment_per_row(slots, x.shape[1], seg)  # an O-like head in combo, sigma-MoE down
-    # own: in the segments' order
-    grad_x = (torch.empty if own else torch.zeros)(n * x.shape[1], in_w, dtype=acc, device=x.device)
+    grad_x = (torch.empty if own else torch.zeros)(n * x.shape[1], in_w, dtype=acc, device=x.device)  # own: sorted rows
     grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device) if need_weight_grad else None
     need_gate_grad = need_gate_grad and gates is not None
     gate_grad_sorted = torch.empty(slot.shape, dtype=acc, device=x.device) if need_gate_grad else None
