@@ -670,7 +670,11 @@ def test_autocast_does_not_reach_inside_the_op(shape, name, backend):
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         under = via_op(shape, cast)
     for name, got, want in zip(["out", "grad_x", "grad_weight", "grad_gate"], under, plain):
-        assert torch.equal(got, want), name
+        if DEVICE == "cpu":
+            assert torch.equal(got, want), name
+        else:  # CUDA's index_add_ adds with atomics, so two fp32 runs differ in the last bits; bf16 rounding is ~1e-3
+            scale = max(want.abs().max().item(), 1.0)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
 def test_triton_refuses_float64(monkeypatch):
