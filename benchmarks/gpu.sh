@@ -4,14 +4,14 @@
 #   bash benchmarks/gpu.sh OUT_DIR                   # every step
 #   bash benchmarks/gpu.sh OUT_DIR profile frozen    # only these steps
 #
-# Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), segments (the
-# GPU table, with the kernels over segments beside the default ones), profile (where the GPU time of a call
-# goes, N = 16384), frozen (forward + backward with the weight trained and frozen).
+# Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), table (the GPU
+# table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), frozen (forward + backward with
+# the weight trained and frozen).
 # A step that fails stops the run: timings of kernels that fail their tests mean nothing.
 # PYTHON picks the interpreter (default: python3).
 set -euo pipefail
 
-steps_all=(tests segments profile frozen)
+steps_all=(tests table profile frozen)
 if [[ $# -lt 1 || $1 == -* ]]; then
     echo "usage: bash benchmarks/gpu.sh OUT_DIR [${steps_all[*]}]" >&2
     exit 2
@@ -47,8 +47,8 @@ run() {
 for step in "${steps[@]}"; do
     case $step in
         tests) run tests env SWITCHHEAD_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider ../tests/test_kernels.py ;;
-        segments) run segments "$python" kernels.py --no-cpu --segments ;;
-        profile) run profile "$python" kernel_profile.py --n 16384 --other --segments ;;
+        table) run table "$python" kernels.py --no-cpu ;;
+        profile) run profile "$python" kernel_profile.py --n 16384 --other ;;
         frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
     esac
 done

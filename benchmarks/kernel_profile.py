@@ -4,13 +4,11 @@ on the GPU (torch.profiler), per shape of `benchmarks/kernels.py`, beside the wa
     python benchmarks/kernel_profile.py                       # bf16, N = 4096 and 16384
     python benchmarks/kernel_profile.py --n 16384 --tuning    # also the autotuner's time for every tile
     python benchmarks/kernel_profile.py --n 16384 --other     # also each kernel counted as "other"
-    python benchmarks/kernel_profile.py --segments            # with the kernels over segments (SEGMENTS)
     SWITCHHEAD_KERNEL=torch python benchmarks/kernel_profile.py   # the PyTorch paths on the GPU
 
 "sort" is the counting sort of the pairs by expert (`_count_pairs_kernel` and `_place_pairs_kernel`; the cumsum
 between them is in "other"), "grouped" `_grouped_matmul_kernel` (the forward in the forward, grad_x in the
-backward; "segments" `_segment_matmul_kernel` in its place with --segments), "weight grad" `_weight_grad_kernel`,
-"gather" `_gather_kernel`; "other" is everything else the call
+backward), "weight grad" `_weight_grad_kernel`, "gather" `_gather_kernel`; "other" is everything else the call
 launches (padding copies, dtype conversions, the fp32 buffer's memset, reductions). Needs CUDA.
 """
 
@@ -24,13 +22,11 @@ from kernels import CASES, _call, kernel_times, make_inputs
 from triton.testing import do_bench
 
 from switchhead.kernels import expert_projection
-from switchhead.kernels.torch_paths import segment_length
 
 NAMES = {
     "_count_pairs_kernel": "sort",
     "_place_pairs_kernel": "sort",
     "_grouped_matmul_kernel": "grouped",
-    "_segment_matmul_kernel": "segments",
     "_weight_grad_kernel": "weight grad",
     "_gather_kernel": "gather",
 }
@@ -69,7 +65,6 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--tuning", action="store_true", help="print the autotuner's timings too")
     parser.add_argument("--other", action="store_true", help="list the kernels counted as 'other' too")
-    parser.add_argument("--segments", action="store_true", help="the Triton kernels over segments where they apply")
     args = parser.parse_args()
     if any(n < 1 for n in args.n):
         parser.error(f"--n: token counts must be >= 1, got {' '.join(map(str, args.n))}")
@@ -78,26 +73,23 @@ def main() -> None:
     os.environ.setdefault("SWITCHHEAD_KERNEL", "triton")
     from switchhead.kernels import triton_kernels as tk
 
-    tk.SEGMENTS = args.segments
     dtype = getattr(torch, args.dtype)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
-          f"SWITCHHEAD_KERNEL={os.environ['SWITCHHEAD_KERNEL']}, segments {args.segments}\n")  # fmt: skip
+          f"SWITCHHEAD_KERNEL={os.environ['SWITCHHEAD_KERNEL']}\n")  # fmt: skip
     print("| case | N | fwd GPU ms | fwd kernels us | fwd wall ms | bwd GPU ms | bwd kernels us | bwd wall ms |")
     print("|---|---|---|---|---|---|---|---|")
     for case in CASES:
         for n in args.n:
             x, w, index, gate = make_inputs(case, n, dtype, "cuda", grad=True)
-            by_segments = args.segments and segment_length(case.slots, case.n_in, case.n_out) > 1
-            tiled = tk._segment_matmul_kernel if by_segments else tk._grouped_matmul_kernel
             grads = [x, w] + ([gate] if gate is not None else [])
             fwd = _call(expert_projection, x, w, index, gate, case.n_out)
             out = fwd()
             torch.cuda.synchronize()
-            tuned_fwd = tuning(tiled)
+            tuned_fwd = tuning(tk._grouped_matmul_kernel)
             bwd = _call(torch.autograd.grad, out, grads, torch.randn_like(out), True)
             bwd()
             torch.cuda.synchronize()
-            tuned_bwd = f"{tuning(tiled)} || {tuning(tk._weight_grad_kernel)}"
+            tuned_bwd = f"{tuning(tk._grouped_matmul_kernel)} || {tuning(tk._weight_grad_kernel)}"
             fwd_times, bwd_times = kernel_times(fwd), kernel_times(bwd)
             cells = [split(fwd_times), f"{do_bench(fwd):.4f}", split(bwd_times), f"{do_bench(bwd):.4f}"]
             print(f"| {case.name} | {n} | " + " | ".join(cells) + " |", flush=True)

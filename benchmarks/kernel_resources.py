@@ -4,7 +4,6 @@
     python benchmarks/kernel_resources.py --configs    # one row per autotune config
     python benchmarks/kernel_resources.py --align 1    # the same without padding rows to 16 elements
     python benchmarks/kernel_resources.py --every-tile # every precision with every tile, not just its own
-    python benchmarks/kernel_resources.py --segments   # the kernels over segments (SEGMENTS) where they apply
 
 For each shape of `benchmarks/kernels.py` it records the launches of one forward and backward of the Triton op
 (N = 4096 tokens; N = 1 for the decode gather kernel), builds each with every autotune config the tuner would
@@ -41,7 +40,6 @@ STEP = {  # what each launch of a kernel computes, in launch order (None: the sa
     "_count_pairs_kernel": ["sort (count)", None],
     "_place_pairs_kernel": ["sort (place)", None],
     "_grouped_matmul_kernel": ["forward", "grad_x"],
-    "_segment_matmul_kernel": ["forward (segments)", "grad_x (segments)"],
     "_weight_grad_kernel": ["grad_w"],
     "_gather_kernel": ["decode"],
 }
@@ -66,12 +64,10 @@ def main() -> None:
     parser.add_argument("--align", type=int, default=triton_kernels.ALIGN, help="pad rows to this many elements")
     parser.add_argument("--every-tile", action="store_true", help="skip the autotuner's per-precision pruning")
     parser.add_argument("--arch", type=int, default=90, help="GPU compute capability to build for (90: sm_90, H100)")
-    parser.add_argument("--segments", action="store_true", help="the kernels over segments where they apply")
     args = parser.parse_args()
     if args.align < 1:
         parser.error(f"--align must be >= 1 (1: no padding), got {args.align}")
     triton_kernels.ALIGN = args.align
-    triton_kernels.SEGMENTS = args.segments
 
     jobs = []
     for precision, (dtype, tf32) in PRECISIONS.items():

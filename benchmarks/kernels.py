@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py            # CPU table (and the GPU table when CUDA is available)
     python benchmarks/kernels.py --quick    # fewer repeats
+    python benchmarks/kernels.py --no-cpu --gpu-n 4096 16384   # only the GPU table, at these token counts
     python benchmarks/kernels.py --n 256 4096 --block-elements 65536 262144 1048576 0   # grouped block sizes
     python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
     python benchmarks/kernels.py --n 256 4096 --regimes grouped --against REV   # beside the code at git REV
@@ -425,17 +426,15 @@ def gpu_table(
     cases: list[Case] = CASES,
     bench: Callable[[Callable], float] | None = None,
     gpu_time: Callable[[Callable], float] = kernel_ms,
-    segments: bool = False,
 ) -> list[str]:
     """Triton op vs one expert's matmul, forward and backward, fp16 and bf16, timed two ways: GPU time (`gpu_time`:
     the kernels' durations) and wall time per call (`bench`, default triton.testing.do_bench, which includes the
     host's launch overhead whenever the GPU finishes first). `device`, `cases` and the timers let the table run on
-    the CPU with TRITON_INTERPRET=1 and tiny cases, which checks this code without a GPU (timings meaningless).
-    `segments`: also forward and backward with the tiled kernels over segments (`SEGMENTS`)."""
+    the CPU with TRITON_INTERPRET=1 and tiny cases, which checks this code without a GPU (timings meaningless)."""
     if bench is None:
         from triton.testing import do_bench as bench
 
-    steps = ["fwd", "bwd"] + (["fwd segments", "bwd segments"] if segments else [])
+    steps = ["fwd", "bwd"]
     lines = _table("| case | dtype | N | " + " | ".join(
         f"{timer} {step} ms op | cuBLAS | %" for timer in ("GPU", "wall") for step in steps
     ) + " |")  # fmt: skip
@@ -445,7 +444,7 @@ def gpu_table(
         for dtype in (torch.float16, torch.bfloat16):
             for case in cases:
                 for n in ns:
-                    _add_row(lines, _gpu_row(case, n, dtype, device, bench, gpu_time, segments))
+                    _add_row(lines, _gpu_row(case, n, dtype, device, bench, gpu_time))
     finally:
         if saved is None:
             del os.environ["SWITCHHEAD_KERNEL"]
@@ -461,7 +460,6 @@ def _gpu_row(
     device: str,
     bench: Callable[[Callable], float],
     gpu_time: Callable,
-    segments: bool = False,
 ) -> str:
     x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
     grads = [x, w] + ([gate] if gate is not None else [])
@@ -475,29 +473,12 @@ def _gpu_row(
         (_call(expert_projection, x, w, index, gate, case.n_out), _call(_matmul, xd, wd)),
         (_call(torch.autograd.grad, out, grads, go, True), _call(torch.autograd.grad, dense, [xd, wd], gd, True)),
     ]
-    if segments:
-        pairs += [(_with_segments(op), mm) for op, mm in pairs]
     cells = []
     for timer in (gpu_time, bench):
         for op, mm in pairs:
             t_op, t_mm = timer(op), timer(mm)
             cells.append(f"{t_op:.4f} | {t_mm:.4f} | {100 * t_mm / t_op:.0f}%")
     return f"| {case.name} | {str(dtype)[6:]} | {n} | " + " | ".join(cells) + " |"
-
-
-def _with_segments(fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` run with the Triton kernels over segments switched on."""
-    from switchhead.kernels import triton_kernels
-
-    def run() -> object:
-        tk = triton_kernels.load()
-        saved, tk.SEGMENTS = tk.SEGMENTS, True
-        try:
-            return fn()
-        finally:
-            tk.SEGMENTS = saved
-
-    return run
 
 
 def main() -> None:
@@ -534,11 +515,11 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(
-        "--segments", action="store_true", help="GPU table: also the Triton kernels over segments (SEGMENTS)"
+        "--gpu-n", type=int, nargs="+", default=[1, 256, 4096, 16384], help="token counts of the GPU table"
     )
     args = parser.parse_args()
-    if min(args.n) < 1 or args.threads < 0 or min(args.block_elements or [0]) < 0:
-        parser.error("--n must be at least 1, --threads and --block-elements at least 0")
+    if min(args.n + args.gpu_n) < 1 or args.threads < 0 or min(args.block_elements or [0]) < 0:
+        parser.error("--n and --gpu-n must be at least 1, --threads and --block-elements at least 0")
     if args.against and not args.regimes:
         parser.error("--against needs --regimes (it times named regimes beside their old code)")
     if args.threads:
@@ -588,7 +569,7 @@ def main() -> None:
         cpu_table(args.n, 5 if args.quick else 15, getattr(torch, args.dtype))
     if torch.cuda.is_available():
         print(f"\n## GPU ({torch.cuda.get_device_name()})\n")
-        gpu_table([1, 256, 4096, 16384], segments=args.segments)
+        gpu_table(args.gpu_n)
     else:
         print("\n(no CUDA device: GPU part not run)")
 

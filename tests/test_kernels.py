@@ -275,82 +275,6 @@ def test_triton_half(shape, dtype, backend):
     assert_matches(got, naive_all(shape, exact), dtype)
 
 
-# Shapes whose segments (slots sharing an input and an output row) are longer than one slot, above the gather
-# kernel's token count: V-like (a row per head: stores), O-like (rows shared by the heads: atomics), repeated and
-# single experts, no gates, input rows wide enough to stay unpadded, few sets (counting sort) and many (torch.sort).
-SEGMENT_SHAPES = [
-    Shape(37, 2, 6, 1, 4, 12, 20),  # O: 3 slots per segment, 4 experts: 20 sets
-    SHAPES[5],  # V, every pair on one expert
-    SHAPES[10],  # 2 experts, segments of 2: 3 sets
-    SHAPES[11],  # V without gates, 7 experts: 84 sets (more than the counting sort takes)
-    Shape(26, 1, 4, 2, 3, 259, 10, routing="some_empty"),  # unpadded 259-wide rows, experts 0 and 2 only
-    Shape(9, 2, 4, 1, 2, 16, 33),  # just above the gather kernel's tokens
-]
-
-
-def _spy_segments(monkeypatch, tk) -> list[str]:
-    """What the segment kernel ran ("forward", "grad_x"), so a test can tell that it ran at all."""
-    calls: list[str] = []
-
-    def spy(*args, _f=tk._segment_matmul):
-        calls.append("grad_x" if args[3] else "forward")  # transpose_weight
-        return _f(*args)
-
-    monkeypatch.setattr(tk, "_segment_matmul", spy)
-    return calls
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", SEGMENT_SHAPES, ids=str)
-def test_triton_segment_kernels_match_naive_loop(shape, dtype, backend, monkeypatch):
-    backend("triton")
-    from switchhead.kernels import triton_kernels
-
-    tk = triton_kernels.load()
-    monkeypatch.setattr(tk, "SEGMENTS", True)
-    calls = _spy_segments(monkeypatch, tk)
-    exact, cast = make(shape, dtype)
-    want = naive_all(shape, exact)
-    assert_matches(via_op(shape, cast), want, dtype)
-    assert calls == ["forward", "grad_x"]
-    if shape.gated:  # a gate that needs no gradient: grad_x without the gate-gradient epilogue
-        x, w = (t.to(DEVICE, copy=True).requires_grad_() for t in cast[:2])
-        index, gate, grad = on_device(cast[2:])
-        got = torch.autograd.grad(expert_projection(x, w, index, gate, shape.n_out), [x, w], grad)
-        assert_matches([t.cpu() for t in got], want[1:3], dtype)
-
-
-def test_triton_segment_kernels_under_determinism(backend, monkeypatch):
-    """Deterministic algorithms: a product whose segments own the rows they write keeps the segment kernel; one
-    that would add into shared rows with atomics falls back to the pair kernel's one row per pair."""
-    backend("triton")
-    from switchhead.kernels import triton_kernels
-
-    tk = triton_kernels.load()
-    monkeypatch.setattr(tk, "SEGMENTS", True)
-    calls = _spy_segments(monkeypatch, tk)
-    with deterministic_algorithms(True):
-        # V: output rows per head, input rows shared by the heads; O: the other way round
-        for shape, segments in ((SHAPES[11], ["forward"]), (SEGMENT_SHAPES[-1], ["grad_x"])):
-            exact, cast = make(shape)
-            calls.clear()
-            assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.float32)
-            assert calls == segments, shape
-
-
-@pytest.mark.parametrize("n_experts, seg", [(1, 2), (3, 4), (10, 3), (16, 2)])
-def test_segment_sets_are_ranked_densely(n_experts, seg):
-    """Every multiset of `seg` experts (ascending) gets its own rank in [0, number of multisets)."""
-    from itertools import combinations_with_replacement
-
-    from switchhead.kernels import triton_kernels
-
-    tk = triton_kernels.load()
-    sets = torch.tensor(list(combinations_with_replacement(range(n_experts), seg)))
-    assert len(sets) == tk._segment_sets(n_experts, seg)
-    assert sorted(tk._multiset_rank(sets).tolist()) == list(range(len(sets)))
-
-
 def _split_weight_grad(monkeypatch, shape: Shape) -> None:
     """Let the weight gradient cut each expert's pairs into chunks even for a tiny shape."""
     from switchhead.kernels import triton_kernels
@@ -635,16 +559,13 @@ def test_frozen_weight_skips_its_products(shape, regime, monkeypatch):
     assert 0 < counts[False] < counts[True]
 
 
-@pytest.mark.parametrize("segments", [False, True], ids=["pairs", "segments"])
-def test_frozen_weight_launches_no_weight_gradient_kernel(segments, monkeypatch):
-    """The Triton backward without a weight gradient does not launch its kernel, nor, where grad_x runs over
-    segments, the sort of the pairs that only the weight gradient reads."""
+def test_frozen_weight_launches_no_weight_gradient_kernel(monkeypatch):
+    """The Triton backward without a weight gradient launches everything else but not its kernel."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # recorded, not run: the compiled module's launches
     from switchhead.kernels import gpu_build, triton_kernels
 
     tk = triton_kernels.load()
-    monkeypatch.setattr(tk, "SEGMENTS", segments)
-    _, (x, w, index, gate, grad) = make(Shape(40, 2, 6, 1, 8, 12, 20))  # segments of 3 slots
+    _, (x, w, index, gate, grad) = make(Shape(40, 2, 6, 1, 8, 12, 20))
     kernels = {}
     for trained in (True, False):
         recorded = []
@@ -653,9 +574,6 @@ def test_frozen_weight_launches_no_weight_gradient_kernel(segments, monkeypatch)
         kernels[trained] = [launch.kernel for launch in recorded]
     expected = list(kernels[True])
     expected.remove("_weight_grad_kernel")
-    if segments:  # the pairs' counting sort (the segments' 120 sets are sorted by torch.sort)
-        expected.remove("_count_pairs_kernel")
-        expected.remove("_place_pairs_kernel")
     assert kernels[False] == expected
 
 
@@ -828,36 +746,6 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
                 assert build.atomics == (), (launch.kernel, config, build)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-ieee"])
-def test_triton_segment_kernels_build_for_sm90_pipelined_without_spills(dtype, monkeypatch):
-    """The forward and grad_x over segments, built for sm_90 with every config the tuner would try, for the 47M
-    model's O (76 -> 412: output rows shared by two heads, atomics; input rows a head's own, stores) and V
-    (412 -> 76: the other way round); grad_x with the gate-gradient epilogue."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from switchhead.kernels import gpu_build, triton_kernels
-
-    monkeypatch.setattr(triton_kernels.load(), "SEGMENTS", True)
-    _, o = make(Shape(40, 2, 6, 1, 10, 76, 412), dtype)
-    _, v = make(Shape(40, 1, 6, 2, 10, 412, 76), dtype)
-    launches = [
-        launch
-        for inputs, n_out in ((o, 1), (v, 2))
-        for launch in gpu_build.launches(*inputs[:4], n_out)
-        if launch.kernel == "_segment_matmul_kernel"
-    ]
-    assert [(launch.kwargs["ATOMIC"], launch.kwargs["GATE_GRAD"]) for launch in launches] == [
-        (True, False), (False, True), (False, False), (True, True)  # O forward, O grad_x, V forward, V grad_x
-    ]  # fmt: skip
-    for launch in launches:
-        for config in gpu_build.configs(launch):
-            build = gpu_build.build(launch, config)
-            assert build.stack_bytes == 0 and build.async_copies and build.copies_in_flight, (config, build)
-            assert build.tensor_cores or dtype == torch.float32, build
-            assert build.mma_in_flight is not False, (config, build)
-            atomic = launch.kwargs["ATOMIC"]
-            assert all(".relaxed.add." in a for a in build.atomics) and bool(build.atomics) == atomic, build
-
-
 def test_triton_builds_for_sm100_use_the_tensor_cores(monkeypatch):
     """Blackwell's tensor-core instruction (tcgen05.mma) is neither mma.sync nor wgmma: the build report knows it."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -895,30 +783,23 @@ def _time_once(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def test_gpu_benchmark_table_runs_under_the_interpreter(backend, monkeypatch):
-    """benchmarks/kernels.py's GPU table with its segment columns (`--segments`), run on the CPU (Triton
-    interpreter, tiny cases, one timed call per cell): its code keeps working where no GPU is, so that it runs
-    unchanged when one is there."""
+def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
+    """benchmarks/kernels.py's GPU table, run on the CPU (Triton interpreter, tiny cases, one timed call per
+    cell): its code keeps working where no GPU is, so that it runs unchanged when one is there."""
     backend("triton")
-    from switchhead.kernels import triton_kernels
-
-    tk = triton_kernels.load()
-    launched = _spy_segments(monkeypatch, tk)
     bench_module = _benchmark_module()
     once = _time_once
     Case = bench_module.Case
     cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
-    lines = bench_module.gpu_table([1, 9], DEVICE, cases, once, once, segments=True)  # N = 9: tiled
+    lines = bench_module.gpu_table([1, 9], DEVICE, cases, once, once)  # N = 9: tiled
     assert os.environ["SWITCHHEAD_KERNEL"] == "triton"  # what the fixture set, restored
-    assert not tk.SEGMENTS  # switched on only for the segment columns, which ran both kernels, and only they
-    assert set(launched) == {"forward", "grad_x"}
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), r[1].strip(), int(r[2])) for r in rows] == [
         (c.name, d, n) for d in ("float16", "bfloat16") for c in cases for n in (1, 9)
     ]
-    for r in rows:  # op ms, cuBLAS ms, % for GPU/wall x fwd/bwd x pairs/segments
-        assert len(r) == 3 + 3 * 8, r
-        for first in range(3, 3 + 3 * 8, 3):
+    for r in rows:  # op ms, cuBLAS ms, % for GPU/wall x fwd/bwd
+        assert len(r) == 3 + 3 * 4, r
+        for first in range(3, 3 + 3 * 4, 3):
             assert float(r[first]) > 0 and float(r[first + 1]) > 0 and r[first + 2].strip().endswith("%"), r
 
 

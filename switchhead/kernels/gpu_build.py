@@ -50,8 +50,7 @@ class Build:
 
 
 KERNELS = (
-    "_count_pairs_kernel", "_place_pairs_kernel", "_grouped_matmul_kernel", "_segment_matmul_kernel",
-    "_weight_grad_kernel", "_gather_kernel",
+    "_count_pairs_kernel", "_place_pairs_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel", "_gather_kernel",
 )
 
 

@@ -13,9 +13,6 @@ counting sort: `_count_pairs_kernel`, a cumsum, `_place_pairs_kernel`):
    its own instead, summed in a fixed order afterwards. The same kernel computes grad_x with the weight
    transposed, and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the
    un-gated grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
-   `_segment_matmul_kernel` does the same (forward and grad_x) over segments (a head's k slots, which share an
-   input and an output row) sorted by the set of experts they chose: the k products add up in registers before
-   the one store or atomic add. Off by default (`SEGMENTS`) until it has been timed on a GPU.
 2. `_weight_grad_kernel`: one program per (expert, D_in tile, D_out tile) walks that expert's pairs in a
    fixed order: deterministic, no atomics (the authors' CVMM uses atomics here). When that is too few programs
    for the GPU, each expert's pairs are cut into chunks with one program each, whose partial sums are added
@@ -37,7 +34,6 @@ the variable changed since, so tests can switch to the interpreter at run time.
 from __future__ import annotations
 
 import importlib
-import math
 import re
 import sys
 from types import ModuleType
@@ -50,7 +46,6 @@ from torch import Tensor
 from triton import knobs
 
 from switchhead.kernels.ops import KernelBackendError
-from switchhead.kernels.torch_paths import segment_length
 
 _INTERPRETED: bool = knobs.runtime.interpret
 
@@ -71,21 +66,6 @@ UNPADDED_FORWARD_MIN_WIDTH = 256
 # Build options fixed rather than left to Triton's defaults: FMA contraction of a*b+c, on until Triton 3.9 and
 # announced to turn off in 3.10 (3.9 warns when it is unset), stays on so results do not change with the version.
 _BUILD = {"enable_fp_fusion": True}
-
-# The tiled products (forward and grad_x) can take a head's k slots at once (a segment: they share an input and an
-# output row), sorting segments by the experts they chose instead of pairs by expert (`_segment_matmul_kernel`).
-# Their k products add up in registers: k times fewer stores or atomic adds. In the forward, none at all for V
-# (each head has its own output row) and half as many for the 262M model's O (4 instead of 8 per element); in
-# grad_x, none for O (each head its own input row) and H instead of H*k per element for V; and no fp32 buffer
-# where no row is shared. The costs: tiles per expert set rather than per expert (the 47M model's heads choose 3
-# of 5 experts: 20 sets where the pair kernel has 10 experts), so more partly filled tiles; and in the backward a
-# second sort (the weight gradient still needs the pairs by expert). Off until it has been timed against the pair
-# kernel on a GPU (`python benchmarks/kernels.py --no-cpu --segments` puts both side by side).
-SEGMENTS = False
-# Segments are sorted by their expert multiset, C(E + k - 1, k) keys (220 for the 47M model's 10 experts and k = 3,
-# 136 for 262M); every program scans the keys' offsets to find its tile, so beyond this many the products keep to
-# pairs.
-SEGMENT_MAX_SETS = 1024
 
 # Up to this many tokens the gather kernel runs the forward (no sorting, no tiles). A guess from the tile
 # geometry (a 64-row tile of sorted pairs is < 10% full below it), not a timing: the cut-over has not been
@@ -142,10 +122,6 @@ _MATMUL_TILES = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     "mma": [(64, 64, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (64, 32, 64, 4, 4)],
     "fma": [(64, 64, 32, 4, 4), (32, 64, 32, 8, 4), (32, 32, 64, 8, 4), (32, 32, 32, 4, 4)],
 }
-# The segment kernel keeps a second fp32 accumulator (the sum over the segment's experts): on the FMA units the
-# 64-wide-column tiles spilled there (sm_90, triton 3.9: 8-32 bytes for 262M, 24 for 47M V), so it keeps the
-# 32 x 32 ones for that precision.
-_SEGMENT_TILES = {"mma": _MATMUL_TILES["mma"], "fma": [t for t in _MATMUL_TILES["fma"] if t[1] == 32]}
 _WEIGHT_GRAD_TILES = {  # BLOCK_P, BLOCK_K, BLOCK_N, warps, stages
     "mma": [(32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4), (64, 128, 128, 8, 3), (32, 32, 64, 4, 4)],
     "fma": [(16, 64, 64, 8, 4), (32, 32, 64, 8, 4), (32, 64, 32, 8, 4), (16, 32, 64, 4, 4)],
@@ -167,7 +143,6 @@ def _configs(names: tuple[str, str, str], tiles: dict[str, list[tuple]]) -> dict
 
 
 _MATMUL_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K"), _MATMUL_TILES)
-_SEGMENT_CONFIGS = _configs(("BLOCK_M", "BLOCK_N", "BLOCK_K"), _SEGMENT_TILES)
 _WEIGHT_GRAD_CONFIGS = _configs(("BLOCK_P", "BLOCK_K", "BLOCK_N"), _WEIGHT_GRAD_TILES)
 
 
@@ -481,141 +456,6 @@ def _grouped_matmul(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 1b. The same over segments (forward and grad_x)
-
-
-def _segment_pruner(configs, named_args, **kwargs) -> list[triton.Config]:
-    """The segment kernel's tiles for this precision; with the gate-gradient epilogue, at most 64 x 64 ones: the
-    larger tensor-core tiles spilled 24-80 bytes there (sm_90, bf16, 47M shapes), with a product's tile, the
-    segment's sum and the partner rows live at once."""
-    tiles = _pruner(_SEGMENT_CONFIGS)(configs, named_args, **kwargs)
-    if kwargs.get("GATE_GRAD", named_args.get("GATE_GRAD")):
-        tiles = [c for c in tiles if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
-    return tiles
-
-
-@triton.autotune(
-    configs=_all(_SEGMENT_CONFIGS),
-    key=["K_DIM", "N_DIM", "M_BUCKET", "n_sets", "A_PER", "C_PER", "SEG", "PRECISION"],
-    prune_configs_by={"early_config_prune": _segment_pruner},
-    # with ATOMIC the output accumulates over the tuning runs; narrower BLOCK_N fills more gate-gradient partials
-    reset_to_zero=["c_ptr", "gate_grad_ptr"],
-)
-@triton.jit
-def _segment_matmul_kernel(
-    a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr, experts_ptr, slots_ptr, gate_ptr, partner_ptr, gate_grad_ptr,
-    n_sets, n_pairs, M_BUCKET, A_PER, C_PER, K_DIM: tl.constexpr, N_DIM: tl.constexpr,
-    stride_a: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
-    stride_c: tl.constexpr, stride_partner: tl.constexpr, SEG: tl.constexpr, HAS_GATE: tl.constexpr,
-    GATE_GRAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # A tile holds segments that chose the same experts (sorted by their expert multiset), so its SEG products
-    # are SEG tile GEMMs against one expert each, summed in registers: one store (or atomic add) per segment
-    # where the pair kernel makes one per pair. Everything else is the pair kernel's, per product.
-    group, start, end = _tile_owner(tl.program_id(0), offsets_ptr, n_sets, BLOCK_M, E_PAD)
-    if group < 0:
-        return
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    segment = tl.load(order_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    a_row = segment * SEG // A_PER  # the rows of the segment's first pair (all its pairs share them)
-    c_row = segment * SEG // C_PER
-    lead = tl.load(order_ptr + start).to(tl.int64)  # every segment of the tile has this one's experts
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N_DIM
-    mask_c = mask_m[:, None] & mask_n[None, :]
-    if GATE_GRAD:  # the same row for every product of the segment
-        partner = tl.load(partner_ptr + c_row[:, None] * stride_partner + offs_n[None, :], mask=mask_c, other=0.0)
-    out = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for j in range(SEG):
-        expert = tl.load(experts_ptr + lead * SEG + j)
-        acc = _tile_product(
-            a_ptr, a_row, mask_m, w_ptr, expert, offs_n, mask_n, K_DIM, stride_a, stride_we, stride_wk, stride_wn,
-            PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        pair = tl.load(slots_ptr + segment * SEG + j, mask=mask_m, other=0)
-        if GATE_GRAD:
-            partial = tl.reduce(acc * partner.to(tl.float32), 1, _add)
-            tl.store(gate_grad_ptr + tl.program_id(1) * n_pairs + pair, partial, mask=mask_m)
-        if HAS_GATE:  # gated in fp32, as in the pair kernel: the same rounding
-            acc *= tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-        out += acc
-    c_ptrs = c_ptr + c_row[:, None] * stride_c + offs_n[None, :]
-    if ATOMIC:  # several segments add into one row (the heads of O's output, of V's input): relaxed, as above
-        tl.atomic_add(c_ptrs, out, mask=mask_c, sem="relaxed")
-    else:
-        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_c)
-
-
-def _segment_sets(n_experts: int, seg: int) -> int:
-    """How many expert multisets a segment of `seg` slots can choose (repeats allowed: the op does not know heads)."""
-    return math.comb(n_experts + seg - 1, seg)
-
-
-def _multiset_rank(experts: Tensor) -> Tensor:
-    """Rank in [0, _segment_sets) of each row of ascending expert ids: e_0 <= e_1 <= ... are the combination
-    e_j + j, ranked by the combinatorial number system, sum_j C(e_j + j, j + 1). Dense, unlike e.g. base-E digits
-    (1000 keys instead of 220 for the 47M model), so fewer tiles and a shorter scan per program."""
-    rank = torch.zeros_like(experts[:, 0])
-    for j in range(experts.shape[1]):
-        m, c = experts[:, j] + j, torch.ones_like(rank)
-        for i in range(j + 1):
-            c = c * (m - i)  # a zero factor when m < j + 1, as C(m, j + 1) = 0 there
-        rank += c // math.factorial(j + 1)
-    return rank
-
-
-def _sort_segments(index: Tensor, n_experts: int, seg: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Segments sorted by their expert multiset: (order, offsets) as from `_sort_pairs` over the sets, and for
-    every segment its experts in ascending order and the pair ids that go with them ([segments, seg] int32)."""
-    experts, within = index.reshape(-1, seg).sort(dim=-1, stable=True)  # equal experts keep their slot order
-    order, offsets = _sort_pairs(_multiset_rank(experts.long()), _segment_sets(n_experts, seg))
-    pairs = torch.arange(0, index.numel(), seg, device=index.device).unsqueeze(1) + within
-    return order, offsets, experts.to(torch.int32), pairs.to(torch.int32)
-
-
-def _segment_matmul(
-    a: Tensor,
-    a_per: int,
-    weight: Tensor,
-    transpose_weight: bool,
-    c_rows: int,
-    c_per: int,
-    segments: tuple[Tensor, Tensor, Tensor, Tensor],
-    gate: Tensor | None,
-    partner: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """`_grouped_matmul` over `segments` (from `_sort_segments`), each segment's pairs at once; the same results.
-
-    c is fp32 if rows receive several segments (added with atomics), else a's dtype."""
-    order, offsets, experts, pairs = segments
-    seg = pairs.shape[1]
-    sets = offsets.numel() - 1
-    k_dim, (n_dim, stride_wk, stride_wn) = a.shape[1], _oriented(weight, transpose_weight)
-    atomic = c_per > seg
-    c = (torch.zeros if atomic else torch.empty)(
-        c_rows, n_dim, dtype=torch.float32 if atomic else a.dtype, device=a.device
-    )
-    gate_grad = None if partner is None else _gate_grad_partials(n_dim, pairs.numel(), _SEGMENT_CONFIGS, a.device)
-
-    def grid(meta: dict) -> tuple[int, int]:
-        tiles = triton.cdiv(order.numel(), meta["BLOCK_M"]) + min(sets, order.numel())  # every set may end partial
-        return tiles, triton.cdiv(n_dim, meta["BLOCK_N"])
-
-    _segment_matmul_kernel[grid](
-        a, weight, c, order, offsets, experts, pairs, gate if gate is not None else a,
-        partner if partner is not None else a, gate_grad if gate_grad is not None else c,
-        sets, pairs.numel(), _bucket(order.numel()), a_per, c_per, k_dim, n_dim,
-        a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0),
-        partner.stride(0) if partner is not None else 0,
-        SEG=seg, HAS_GATE=gate is not None, GATE_GRAD=partner is not None, ATOMIC=atomic,
-        PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(sets), **_BUILD,
-    )  # fmt: skip
-    return c, (gate_grad.sum(0) if gate_grad is not None else None)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # 2. Expert-grouped weight gradient (deterministic)
 
 
@@ -821,24 +661,9 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     align = 1 if x.shape[2] >= UNPADDED_FORWARD_MIN_WIDTH else ALIGN
     d_in_p, d_out_p = _aligned(weight.shape[1], align), _aligned(d_out, align)
     x2, w = _rows(x, d_in_p), _padded_weight(weight, d_in_p, d_out_p)
-    if _by_segments(slots, n_in, n_out, n_experts, slots // n_out):
-        segments = _sort_segments(index, n_experts, segment_length(slots, n_in, n_out))
-        out, _ = _segment_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, segments, flat_gate)
-    else:
-        order, offsets = _sort_pairs(index, n_experts)
-        out, _ = _grouped_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate)
+    order, offsets = _sort_pairs(index, n_experts)
+    out, _ = _grouped_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate)
     return out[:, :d_out].to(x.dtype).reshape(n, n_out, d_out).contiguous()
-
-
-def _by_segments(slots: int, n_in: int, n_out: int, n_experts: int, written_per: int) -> bool:
-    """Run a tiled product over segments (`_segment_matmul`) rather than pairs, when the rows it writes take
-    `written_per` pairs each?"""
-    seg = segment_length(slots, n_in, n_out)
-    if not SEGMENTS or seg == 1 or _segment_sets(n_experts, seg) > SEGMENT_MAX_SETS:
-        return False
-    # Rows shared by several segments would be added with atomics; determinism asks for the pair path's
-    # one-row-per-pair sum instead.
-    return written_per == seg or not torch.are_deterministic_algorithms_enabled()
 
 
 def backward(
@@ -854,18 +679,10 @@ def backward(
     weight = _padded_weight(weight, d_in_p, d_out_p)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
     partner = x2 if gate is not None and need_gate_grad else None
-    by_segments = _by_segments(slots, n_in, n_out, n_experts, slots // n_in)
-    # Pairs sorted by expert: the weight gradient needs them whatever grad_x runs over.
-    order, offsets = _sort_pairs(index, n_experts) if need_weight_grad or not by_segments else (None, None)
-    if by_segments:
-        segments = _sort_segments(index, n_experts, segment_length(slots, n_in, n_out))
-        grad_x, gate_grad = _segment_matmul(
-            g2, slots // n_out, weight, True, n * n_in, slots // n_in, segments, flat_gate, partner
-        )
-    else:
-        grad_x, gate_grad = _grouped_matmul(
-            g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
-        )
+    order, offsets = _sort_pairs(index, n_experts)
+    grad_x, gate_grad = _grouped_matmul(
+        g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
+    )
     grad_w = weight.new_empty(0)
     if need_weight_grad:
         grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
