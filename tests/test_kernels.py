@@ -936,6 +936,44 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch):
     assert choose(n_combo - 1, **v_wide, backward=True, dtype=torch.bfloat16) == "grouped"
 
 
+def test_cuda_prefers_dense_follows_its_documented_rule():
+    """On CUDA, dense_forward replaces the kernels' forward for half inputs contracted over I > R rows, from
+    CUDA_DENSE_MIN_TOKENS tokens, while its GEMM plus CUDA_DENSE_OVERHEAD_MACS costs less than S*D_out atomic adds
+    at CUDA_ATOMIC_MACS each; never for fp32, V-like shapes (I <= R) or fewer tokens."""
+    tp = torch_paths
+    o = dict(n_in=4, slots=8, n_out=1, d_in=112, d_out=1024)  # 262M O: 4 heads, k = 2
+    budget = o["slots"] * o["d_out"] * tp.CUDA_ATOMIC_MACS - tp.CUDA_DENSE_OVERHEAD_MACS
+    max_experts = math.ceil(budget / (o["d_in"] * o["d_out"])) - 1  # the most experts dense still beats
+    assert 16 <= max_experts  # 262M O itself (16 experts) is a dense shape
+    n = tp.CUDA_DENSE_MIN_TOKENS
+    for dtype in (torch.bfloat16, torch.float16):
+        assert tp.cuda_prefers_dense(n, **o, n_experts=max_experts, dtype=dtype)
+        assert not tp.cuda_prefers_dense(n, **o, n_experts=max_experts + 1, dtype=dtype)
+        assert not tp.cuda_prefers_dense(n - 1, **o, n_experts=16, dtype=dtype)
+        v = dict(o, n_in=1, n_out=4, d_in=1024, d_out=112)  # 262M V
+        assert not tp.cuda_prefers_dense(n, **dict(v, d_out=1024), n_experts=1, dtype=dtype)
+    assert not tp.cuda_prefers_dense(n, **o, n_experts=16, dtype=torch.float32)
+    # 47M O and sigma-MoE down: the kernels
+    assert not tp.cuda_prefers_dense(n, 2, 6, 1, 10, 76, 412, torch.bfloat16)
+    assert not tp.cuda_prefers_dense(n, 4, 4, 1, 16, 128, 412, torch.bfloat16)
+
+
+def test_op_where_cuda_runs_dense_matches_naive_loop(monkeypatch):
+    """A shape the automatic choice runs as dense_forward on CUDA (and the Triton backward): output and gradients
+    against the float64 loop. On the CPU the same call takes the PyTorch paths."""
+    from switchhead.kernels import ops
+
+    monkeypatch.delenv("SWITCHHEAD_KERNEL", raising=False)
+    shape = Shape(torch_paths.CUDA_DENSE_MIN_TOKENS + 3, 4, 8, 1, 8, 24, 520)
+    exact, cast = make(shape, torch.bfloat16)
+    x, w, index, _, _ = on_device(cast)
+    assert torch_paths.cuda_prefers_dense(shape.n, 4, 8, 1, 8, 24, 520, torch.bfloat16)  # the shape tests it
+    assert ops._dense_on_cuda(x, w, index, shape.n_out) == (DEVICE == "cuda")
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.bfloat16)
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")  # forced: the kernels, whatever the shape
+    assert not ops._dense_on_cuda(x, w, index, shape.n_out)
+
+
 def test_rows_that_do_not_divide_the_slots_or_a_misshapen_gate_are_rejected():
     _, (x, w, index, gate, _) = make(SHAPES[3])  # S = 6
     with pytest.raises(RuntimeError, match=r"dividing S; got x \(5, 4, 20\)"):  # I = 4 does not divide S

@@ -38,10 +38,11 @@ needs the op itself: eager CPU calls that record no autograd graph (inference an
 modes and transforms.
 
 Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`; float64 ones -> PyTorch, since the
-kernels accumulate in float32), anything else -> PyTorch (`torch_paths`, which picks a regime by shape). The
-environment variable ``SWITCHHEAD_KERNEL`` (read at every call) overrides this: ``triton`` (on CPU tensors this
-needs ``TRITON_INTERPRET=1``; not for float64), ``torch``, ``reference`` (`reference`: slow, obviously correct) or
-``auto``/unset.
+kernels accumulate in float32; and the fp16/bf16 forward of the O-like shapes where cuBLAS is measured faster ->
+PyTorch's dense regime, `torch_paths.cuda_prefers_dense`), anything else -> PyTorch (`torch_paths`, which picks a
+regime by shape). The environment variable ``SWITCHHEAD_KERNEL`` (read at every call) overrides this: ``triton``
+(the kernels for every call; on CPU tensors this needs ``TRITON_INTERPRET=1``; not for float64), ``torch``,
+``reference`` (`reference`: slow, obviously correct) or ``auto``/unset.
 """
 
 from __future__ import annotations
@@ -65,11 +66,16 @@ class KernelBackendError(SwitchheadError):
     """An unknown or unusable value of SWITCHHEAD_KERNEL."""
 
 
-def backend_for(t: Tensor) -> str:
-    """The backend a call on tensors like `t` uses now: 'triton', 'torch' or 'reference'."""
+def _choice() -> str:
     choice = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
     if choice not in BACKENDS:
         raise KernelBackendError(f"{ENV_VAR}={choice!r} is not one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def backend_for(t: Tensor) -> str:
+    """The backend a call on tensors like `t` uses now: 'triton', 'torch' or 'reference'."""
+    choice = _choice()
     if choice == "auto":
         return "triton" if t.is_cuda and t.dtype != torch.float64 else "torch"
     if choice == "triton" and t.dtype == torch.float64:
@@ -205,10 +211,18 @@ def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_ou
         return x.new_zeros(0, n_out, weight.shape[-1])
     with _autocast_off(x):
         if backend == "triton":
+            if _dense_on_cuda(x, weight, index, n_out):
+                return torch_paths.dense_forward(x, weight, index, gate, n_out)
             return _triton().forward(x, weight, index, gate, n_out)
         if backend == "reference":
             return reference.forward(x, weight, index, gate, n_out)
         return torch_paths.forward(x, weight, index, gate, n_out)
+
+
+def _dense_on_cuda(x: Tensor, weight: Tensor, index: Tensor, n_out: int) -> bool:
+    """The automatic choice (not a forced `triton`) on CUDA tensors of a shape whose forward cuBLAS runs faster."""
+    shape = x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape
+    return x.is_cuda and _choice() == "auto" and torch_paths.cuda_prefers_dense(*shape, x.dtype)
 
 
 def _autocast_off(t: Tensor) -> AbstractContextManager:

@@ -132,6 +132,30 @@ def choose_regime(
     return "dense" if (waste - 1) * useful_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
 
 
+# On CUDA the Triton kernels run every call, except the forward of shapes that contract their inputs (I > R, the
+# O projections) in fp16/bf16 where cuBLAS running dense_forward is faster: the kernels' forward there is bound by
+# its fp32 atomic adds (S*D_out per token), dense's by one GEMM of R*E*D_in*D_out MACs per token plus the gated
+# inputs it builds first (a per-token cost of about CUDA_DENSE_OVERHEAD_MACS). `python benchmarks/kernels.py --n
+# 4096 16384 --regimes dense --device cuda --dtype bfloat16` with and without `--case` shapes (docs/BENCHMARKS.md),
+# on an H200, GPU time of the kernels vs dense at N = 16384: 262M O 0.373 vs 0.195 ms (0.65x at 4096); the same
+# with 2 / 3 / 6 / 8 experts per head 0.43x / 0.48x / 0.79x / 0.85x; but 47M O 0.140 vs 0.165, 47M O with 4 / 8
+# experts 1.12x / 1.36x, sigma-MoE down with 8 experts 1.9x (and with 16, 2.5x). fp16 the same; in fp32 dense's
+# forward is slower (262M O 1.09x). Every V-like shape stays with the kernels (dense 1.5-8x slower).
+CUDA_ATOMIC_MACS = 750  # one atomic fp32 add of the kernels' forward costs about as much as this many dense MACs
+CUDA_DENSE_OVERHEAD_MACS = 2.4e6  # per token: the coefficients, gated inputs and launches of dense_forward
+CUDA_DENSE_MIN_TOKENS = 1024
+
+
+def cuda_prefers_dense(
+    n: int, n_in: int, slots: int, n_out: int, n_experts: int, d_in: int, d_out: int, dtype: torch.dtype
+) -> bool:
+    """Whether the forward of this shape on CUDA runs faster as dense_forward (cuBLAS) than as the Triton kernels."""
+    if dtype not in (torch.float16, torch.bfloat16) or _dense_expands_inputs(n_in, n_out) or n < CUDA_DENSE_MIN_TOKENS:
+        return False
+    dense_macs = n_out * n_experts * d_in * d_out + CUDA_DENSE_OVERHEAD_MACS
+    return dense_macs < slots * d_out * CUDA_ATOMIC_MACS
+
+
 def _combo_pays(n: int, n_in: int, slots: int, n_out: int, n_experts: int, min_per_set: int) -> bool:
     """Segments of several slots, and every expert set a head can choose expected to hold `min_per_set` of them."""
     seg = segment_length(slots, n_in, n_out)
