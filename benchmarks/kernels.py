@@ -10,6 +10,7 @@
     python benchmarks/kernels.py --n 256 1024 4096 --gemm-widths   # one expert's GEMMs, result rows padded or not
     python benchmarks/kernels.py --n 256 4096 --frozen    # forward+backward with the weight trained and frozen
     python benchmarks/kernels.py --n 4096 16384 --regimes dense combo --device cuda --dtype bfloat16   # vs Triton
+    python benchmarks/kernels.py --n 4096 --regimes dense --case O6 112 1024 4 1 4 6 2   # --regimes on other shapes
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -36,6 +37,7 @@ from types import ModuleType
 import torch
 
 from switchhead.kernels import expert_projection, torch_paths
+from switchhead.kernels.ops import expert_projection_backward
 
 
 @dataclass(frozen=True)
@@ -239,8 +241,8 @@ def regime_table(
     triton: bool = False,
 ) -> list[str]:
     """Each named regime, and with `against` the same regime as of that git revision beside it. `triton`: the
-    Triton kernels first (the forward and backward the CUDA backend runs) and no auto column (that is the CPU's
-    choice)."""
+    Triton kernels first, then the op as SWITCHHEAD_KERNEL sets it (unset on CUDA: the kernels, or dense_forward
+    where `torch_paths.cuda_prefers_dense`), and no auto column (that is the CPU's choice)."""
     sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
     variants = {}
     if triton:
@@ -248,6 +250,7 @@ def regime_table(
 
         tk = triton_kernels.load()
         variants["triton"] = (tk.forward, tk.backward)
+        variants["op"] = (expert_projection, partial(expert_projection_backward, need_weight_grad=True))
     for r in regimes:
         for suffix, paths in sources:
             if r not in paths.FORWARD:
@@ -427,7 +430,7 @@ def gpu_table(
     bench: Callable[[Callable], float] | None = None,
     gpu_time: Callable[[Callable], float] = kernel_ms,
 ) -> list[str]:
-    """Triton op vs one expert's matmul, forward and backward, fp16 and bf16, timed two ways: GPU time (`gpu_time`:
+    """The op vs one expert's matmul, forward and backward, fp16 and bf16, timed two ways: GPU time (`gpu_time`:
     the kernels' durations) and wall time per call (`bench`, default triton.testing.do_bench, which includes the
     host's launch overhead whenever the GPU finishes first). `device`, `cases` and the timers let the table run on
     the CPU with TRITON_INTERPRET=1 and tiny cases, which checks this code without a GPU (timings meaningless)."""
@@ -438,8 +441,10 @@ def gpu_table(
     lines = _table("| case | dtype | N | " + " | ".join(
         f"{timer} {step} ms op | cuBLAS | %" for timer in ("GPU", "wall") for step in steps
     ) + " |")  # fmt: skip
+    # On CUDA the op as it runs by default (the kernels, or dense_forward where cuda_prefers_dense); elsewhere the
+    # kernels through the interpreter
     saved = os.environ.get("SWITCHHEAD_KERNEL")
-    os.environ["SWITCHHEAD_KERNEL"] = "triton"
+    os.environ["SWITCHHEAD_KERNEL"] = saved or "auto" if device == "cuda" else "triton"
     try:
         for dtype in (torch.float16, torch.bfloat16):
             for case in cases:
@@ -481,6 +486,19 @@ def _gpu_row(
     return f"| {case.name} | {str(dtype)[6:]} | {n} | " + " | ".join(cells) + " |"
 
 
+def parse_case(parser: argparse.ArgumentParser, spec: list[str]) -> Case:
+    """A --case: NAME and seven positive sizes, routed as the model routes (k distinct experts per head)."""
+    try:
+        sizes = [int(v) for v in spec[1:]]
+    except ValueError:
+        parser.error(f"--case {' '.join(spec)}: the seven sizes must be integers")
+    d_in, d_out, n_in, n_out, heads, experts, k = sizes
+    if min(sizes) < 1 or k > experts or heads * k % n_in or heads * k % n_out:
+        parser.error(f"--case {' '.join(spec)}: sizes must be >= 1, K <= EXPERTS, and HEADS*K slots a multiple of "
+                     "N_IN and of N_OUT")  # fmt: skip
+    return Case(spec[0], *sizes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -515,6 +533,13 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(
+        "--case",
+        nargs=8,
+        action="append",
+        metavar=("NAME", "D_IN", "D_OUT", "N_IN", "N_OUT", "HEADS", "EXPERTS", "K"),
+        help="with --regimes: time this shape instead of the model's (repeatable; every slot gated)",
+    )
+    parser.add_argument(
         "--gpu-n", type=int, nargs="+", default=[1, 256, 4096, 16384], help="token counts of the GPU table"
     )
     args = parser.parse_args()
@@ -522,6 +547,9 @@ def main() -> None:
         parser.error("--n and --gpu-n must be at least 1, --threads and --block-elements at least 0")
     if args.against and not args.regimes:
         parser.error("--against needs --regimes (it times named regimes beside their old code)")
+    if args.case and not args.regimes:
+        parser.error("--case needs --regimes")
+    cases = [parse_case(parser, c) for c in args.case] if args.case else CASES
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
@@ -543,7 +571,7 @@ def main() -> None:
         for what, timer in (("GPU time", kernel_ms), ("wall time", do_bench)):
             print(f"\n## GPU ({torch.cuda.get_device_name()}): regimes beside the Triton kernels, forward and "
                   f"backward ({args.dtype}, {what}, ms)\n")  # fmt: skip
-            regime_table(args.n, args.regimes, 0, args.against, dtype, "cuda", each_call(timer), triton=True)
+            regime_table(args.n, args.regimes, 0, args.against, dtype, "cuda", each_call(timer), cases, triton=True)
         return
     if args.block_elements:
         regimes = tuple(args.regimes or ["grouped"])
@@ -554,7 +582,9 @@ def main() -> None:
         return
     if args.regimes:
         print(f"\n## CPU regimes, forward and backward ({args.dtype}, best of the interleaved repeats, ms)\n")
-        regime_table(args.n, args.regimes, 5 if args.quick else 15, args.against, getattr(torch, args.dtype))
+        regime_table(
+            args.n, args.regimes, 5 if args.quick else 15, args.against, getattr(torch, args.dtype), cases=cases
+        )
         return
     if args.anatomy:
         print("\n## CPU grouped forward, part by part (fp32, best of the interleaved repeats, ms)\n")

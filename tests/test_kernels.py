@@ -813,10 +813,10 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     regimes = ["dense", "grouped", "combo"]
     timer = bench_module.each_call(_time_once)
     lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)
-    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in ["triton", *regimes]]  # no CPU auto column
+    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in ["triton", "op", *regimes]]  # no CPU auto column
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]
-    assert all(len(r) == 2 + 2 * 4 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
+    assert all(len(r) == 2 + 2 * 5 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
 
 
 def test_gemm_width_table_lists_the_unaligned_products():
