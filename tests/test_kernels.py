@@ -950,8 +950,11 @@ def test_cuda_prefers_dense_follows_its_documented_rule():
         assert tp.cuda_prefers_dense(n, **o, n_experts=max_experts, dtype=dtype)
         assert not tp.cuda_prefers_dense(n, **o, n_experts=max_experts + 1, dtype=dtype)
         assert not tp.cuda_prefers_dense(n - 1, **o, n_experts=16, dtype=dtype)
-        v = dict(o, n_in=1, n_out=4, d_in=1024, d_out=112)  # 262M V
-        assert not tp.cuda_prefers_dense(n, **dict(v, d_out=1024), n_experts=1, dtype=dtype)
+        # inputs expanded (I <= R): never, even where the cost model alone would pick dense (I > R, same sizes)
+        cheap = dict(slots=8, n_out=4, n_experts=1, d_in=16, d_out=1024, dtype=dtype)
+        assert tp.cuda_prefers_dense(n, n_in=8, **cheap)
+        assert not tp.cuda_prefers_dense(n, n_in=4, **cheap)
+        assert not tp.cuda_prefers_dense(n, n_in=1, **cheap)
     assert not tp.cuda_prefers_dense(n, **o, n_experts=16, dtype=torch.float32)
     # 47M O and sigma-MoE down: the kernels
     assert not tp.cuda_prefers_dense(n, 2, 6, 1, 10, 76, 412, torch.bfloat16)
@@ -967,7 +970,8 @@ def test_op_where_cuda_runs_dense_matches_naive_loop(monkeypatch):
     shape = Shape(torch_paths.CUDA_DENSE_MIN_TOKENS + 3, 4, 8, 1, 8, 24, 520)
     exact, cast = make(shape, torch.bfloat16)
     x, w, index, _, _ = on_device(cast)
-    assert torch_paths.cuda_prefers_dense(shape.n, 4, 8, 1, 8, 24, 520, torch.bfloat16)  # the shape tests it
+    dims = shape.n, shape.n_in, shape.slots, shape.n_out, shape.experts, shape.d_in, shape.d_out
+    assert torch_paths.cuda_prefers_dense(*dims, torch.bfloat16)  # the shape tests what it says
     assert ops._dense_on_cuda(x, w, index, shape.n_out) == (DEVICE == "cuda")
     assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.bfloat16)
     monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")  # forced: the kernels, whatever the shape
