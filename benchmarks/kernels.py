@@ -444,7 +444,8 @@ def gpu_table(
     # On CUDA the op as it runs by default (the kernels, or dense_forward where cuda_prefers_dense); elsewhere the
     # kernels through the interpreter
     saved = os.environ.get("SWITCHHEAD_KERNEL")
-    os.environ["SWITCHHEAD_KERNEL"] = saved or "auto" if device == "cuda" else "triton"
+    if device != "cuda":
+        os.environ["SWITCHHEAD_KERNEL"] = "triton"
     try:
         for dtype in (torch.float16, torch.bfloat16):
             for case in cases:
@@ -452,7 +453,7 @@ def gpu_table(
                     _add_row(lines, _gpu_row(case, n, dtype, device, bench, gpu_time))
     finally:
         if saved is None:
-            del os.environ["SWITCHHEAD_KERNEL"]
+            os.environ.pop("SWITCHHEAD_KERNEL", None)
         else:
             os.environ["SWITCHHEAD_KERNEL"] = saved
     return lines

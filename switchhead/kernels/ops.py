@@ -221,8 +221,10 @@ def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_ou
 
 def _dense_on_cuda(x: Tensor, weight: Tensor, index: Tensor, n_out: int) -> bool:
     """The automatic choice (not a forced `triton`) on CUDA tensors of a shape whose forward cuBLAS runs faster."""
+    if not x.is_cuda:
+        return False
     shape = x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape
-    return x.is_cuda and torch_paths.cuda_prefers_dense(*shape, x.dtype) and _choice() == "auto"
+    return torch_paths.cuda_prefers_dense(*shape, x.dtype) and _choice() == "auto"
 
 
 def _autocast_off(t: Tensor) -> AbstractContextManager:

@@ -140,7 +140,8 @@ def choose_regime(
 # on an H200, GPU time of the kernels vs dense at N = 16384: 262M O 0.373 vs 0.195 ms (0.65x at 4096); the same
 # with 2 / 3 / 6 / 8 experts per head 0.43x / 0.48x / 0.79x / 0.85x; but 47M O 0.140 vs 0.165, 47M O with 4 / 8
 # experts 1.12x / 1.36x, sigma-MoE down with 8 experts 1.9x (and with 16, 2.5x). fp16 the same; in fp32 dense's
-# forward is slower (262M O 1.09x). Every V-like shape stays with the kernels (dense 1.5-8x slower).
+# forward is slower (262M O 1.09x). Every V-like shape stays with the kernels (dense 1.8-8x slower). Fewer tokens
+# (`--n 256 1024 4096 16384`, the model's shapes): 262M O dense 0.91x the kernels at N = 1024, 1.41x at 256.
 CUDA_ATOMIC_MACS = 750  # one atomic fp32 add of the kernels' forward costs about as much as this many dense MACs
 CUDA_DENSE_OVERHEAD_MACS = 2.4e6  # per token: the coefficients, gated inputs and launches of dense_forward
 CUDA_DENSE_MIN_TOKENS = 1024
