@@ -241,16 +241,15 @@ def regime_table(
     triton: bool = False,
 ) -> list[str]:
     """Each named regime, and with `against` the same regime as of that git revision beside it. `triton`: the
-    Triton pair kernels first, then the token-major kernel for the forward and grad_x ("tokens"), then the op as
-    SWITCHHEAD_KERNEL sets it (unset on CUDA: the automatic choice), and no auto column (that is the CPU's)."""
+    Triton kernels first, then the op as SWITCHHEAD_KERNEL sets it (unset on CUDA: the kernels, or dense_forward
+    where `torch_paths.cuda_prefers_dense`), and no auto column (that is the CPU's choice)."""
     sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
     variants = {}
     if triton:
         from switchhead.kernels import triton_kernels
 
         tk = triton_kernels.load()
-        variants["triton"] = (partial(tk.forward, by_token=False), partial(tk.backward, by_token=False))
-        variants["tokens"] = (partial(tk.forward, by_token=True), partial(tk.backward, by_token=True))
+        variants["triton"] = (tk.forward, tk.backward)
         variants["op"] = (expert_projection, partial(expert_projection_backward, need_weight_grad=True))
     for r in regimes:
         for suffix, paths in sources:

@@ -43,7 +43,7 @@ class Shape:
     d_in: int
     d_out: int
     gated: bool = True
-    routing: str = "random"  # random | one_expert | some_empty | by_row
+    routing: str = "random"  # random | one_expert | some_empty
 
     def __str__(self) -> str:
         g = "gate" if self.gated else "nogate"
@@ -76,10 +76,6 @@ def make(shape: Shape, dtype=torch.float32, seed: int = 0):
     w = torch.randn(shape.experts, shape.d_in, shape.d_out, generator=g, dtype=torch.float64) / shape.d_in**0.5
     if shape.routing == "one_expert":
         index = torch.full((shape.n, shape.slots), shape.experts - 1, dtype=torch.int64)
-    elif shape.routing == "by_row":  # each input row (or output row, if more) has experts of its own
-        rows = max(shape.n_in, shape.n_out)
-        own = torch.randint(0, shape.experts // rows, (shape.n, shape.slots), generator=g)
-        index = own + torch.arange(shape.slots) // (shape.slots // rows) * (shape.experts // rows)
     elif shape.routing == "some_empty":  # only the even experts are ever chosen
         index = torch.randint(0, (shape.experts + 1) // 2, (shape.n, shape.slots), generator=g) * 2
     else:
@@ -277,104 +273,6 @@ def test_triton_half(shape, dtype, backend):
     assert [t.dtype for t in got[:3]] == [dtype] * 3
     assert got[3].dtype == torch.float32  # the gate stays fp32 (the model routes in fp32)
     assert_matches(got, naive_all(shape, exact), dtype)
-
-
-# Token-major products: rows that many pairs share (the O forward, the V input gradient), tiles of the output rows
-# that end mid-token, sizes that are not multiples of the interpreter's 16-wide tiles, experts nobody chose.
-# "by_row": the single-source loop (as SwitchHead's heads and sigma-MoE's distinct top-k route); the others have
-# rows with several sources for one expert (the general loop).
-TOKEN_SHAPES = [s for s in SHAPES if s.n > 8] + [
-    Shape(37, 4, 8, 1, 16, 20, 40),  # 262M O-like: 4 heads x 2 slots into one row, 16 experts
-    Shape(30, 1, 8, 4, 16, 40, 20),  # 262M V-like: one input row read by 8 slots
-    Shape(37, 4, 8, 1, 16, 20, 40, routing="by_row"),
-    Shape(30, 1, 8, 4, 16, 40, 20, routing="by_row"),
-    Shape(21, 2, 6, 1, 10, 19, 33, gated=False, routing="by_row"),
-    Shape(9, 3, 6, 2, 5, 33, 17, routing="some_empty"),
-]
-
-
-@pytest.mark.parametrize("routing", ["by_row", "random"])
-def test_token_sources_tell_single_from_several(routing):
-    """The single-source form gives each (row, expert) its one source row and summed gates, and flags routings
-    where some row takes one expert from several source rows."""
-    from switchhead.kernels import triton_kernels
-
-    tk = triton_kernels.load()
-    shape = Shape(37, 4, 8, 1, 16, 20, 40, routing=routing)
-    _, (x, w, index, gate, _) = make(shape)
-    coef = tk._token_coefficients(index, gate, shape.n_in, shape.n_out, shape.experts)
-    source, single, several = tk._token_sources(coef)
-    want = torch.zeros(shape.n, 1, shape.experts)
-    sources = [[set() for _ in range(shape.experts)] for _ in range(shape.n)]
-    for n in range(shape.n):
-        for s in range(shape.slots):
-            want[n, 0, index[n, s]] += gate[n, s]
-            sources[n][index[n, s]].add(s // 2)
-    assert several.item() == any(len(e) > 1 for row in sources for e in row)
-    assert several.item() == (routing == "random")
-    torch.testing.assert_close(single, want)
-    for n in range(shape.n):
-        for e in range(shape.experts):
-            if len(sources[n][e]) == 1:
-                assert source[n, 0, e].item() in sources[n][e]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", TOKEN_SHAPES, ids=str)
-def test_triton_token_major_matches_naive_loop(shape, dtype, backend):
-    """The token-major kernel for the forward and for grad_x (with the gate gradient from the pair kernel's pass
-    that stores nothing else), forced on every shape, against the float64 loop."""
-    backend("triton")
-    from switchhead.kernels import triton_kernels
-
-    tk = triton_kernels.load()
-    exact, cast = make(shape, dtype)
-    x, w, index, gate, grad = on_device(cast)
-    out = tk.forward(x, w, index, gate, shape.n_out, by_token=True)
-    grad_x, grad_w, grad_gate = tk.backward(grad, x, w, index, gate, True, by_token=True)
-    got = [out, grad_x, grad_w] + ([grad_gate] if gate is not None else [])
-    assert [t.dtype for t in got[:3]] == [dtype] * 3
-    assert_matches([t.cpu() for t in got], naive_all(shape, exact), dtype)
-
-
-def test_triton_token_major_is_bitwise_reproducible(backend):
-    """No atomics: the same inputs give the same bits, forward and grad_x."""
-    backend("triton")
-    from switchhead.kernels import triton_kernels
-
-    tk = triton_kernels.load()
-    shape = Shape(37, 4, 8, 1, 16, 20, 40)
-    x, w, index, gate, grad = on_device(make(shape, torch.bfloat16)[1])
-    runs = [
-        (tk.forward(x, w, index, gate, 1, by_token=True), tk.backward(grad, x, w, index, gate, True, by_token=True)[0])
-        for _ in range(2)
-    ]
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-def test_token_major_pays_follows_its_cost_model():
-    """The token-major kernel where every expert's products cost less than the pair kernel's atomic adds: the
-    O forward and V input gradient of both models, never their V forward or O input gradient, not for fp32, few
-    tokens or rows that no two pairs share."""
-    from switchhead.kernels import triton_kernels
-
-    pays = triton_kernels.token_major_pays
-    n, bf16 = triton_kernels.TOKEN_MIN_TOKENS, torch.bfloat16
-    # (rows, sources, slots, experts, k_dim, n_dim, extra): forward of O (rows = R, sources = I) and grad_x of V
-    # (rows = I, sources = R, K and N swapped, the gate gradient's pass extra)
-    assert pays(n, 1, 4, 8, 16, 112, 1024, 0, bf16)  # 262M O forward
-    assert pays(n, 1, 2, 6, 10, 76, 412, 0, torch.float16)  # 47M O forward
-    assert pays(n, 1, 4, 8, 16, 112, 1024, 8 * 112 * 1024, bf16)  # 262M V grad_x
-    assert not pays(n, 4, 1, 8, 16, 1024, 112, 0, bf16)  # 262M V forward
-    assert not pays(n, 4, 1, 8, 16, 1024, 112, 8 * 112 * 1024, bf16)  # 262M O grad_x
-    assert not pays(n, 1, 4, 8, 16, 112, 1024, 0, torch.float32)
-    assert not pays(n - 1, 1, 4, 8, 16, 112, 1024, 0, bf16)
-    assert not pays(n, 2, 2, 2, 16, 112, 1024, 0, bf16)  # one pair per row: nothing to add atomically
-    # The model's two costs: just below and just above the balance
-    atomics = 8 * 1024 * triton_kernels.TOKEN_ATOMIC_MACS
-    balance = 8 * 112 * 1024 + atomics - 16 * (1024 + 4) * 112
-    assert pays(n, 1, 4, 8, 16, 112, 1024, balance - 1, bf16)
-    assert not pays(n, 1, 4, 8, 16, 112, 1024, balance, bf16)
 
 
 def _split_weight_grad(monkeypatch, shape: Shape) -> None:
@@ -915,11 +813,10 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     regimes = ["dense", "grouped", "combo"]
     timer = bench_module.each_call(_time_once)
     lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)
-    columns = ["triton", "tokens", "op", *regimes]
-    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in columns]  # no CPU auto column
+    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in ["triton", "op", *regimes]]  # no CPU auto column
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]
-    assert all(len(r) == 2 + 2 * len(columns) and all(float(v) > 0 for v in r[2:]) for r in rows), rows
+    assert all(len(r) == 2 + 2 * 5 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
 
 
 def test_gemm_width_table_lists_the_unaligned_products():

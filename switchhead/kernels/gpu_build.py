@@ -51,7 +51,6 @@ class Build:
 
 KERNELS = (
     "_count_pairs_kernel", "_place_pairs_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel", "_gather_kernel",
-    "_token_matmul_kernel",
 )
 
 
@@ -85,21 +84,19 @@ def _recording(tk: ModuleType, into: list[Launch]):
 
 
 def launches(
-    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, allow_tf32: bool = False,
-    by_token: bool = False,
+    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, allow_tf32: bool = False
 ) -> list[Launch]:
     """The kernel launches of one forward and one backward (all gradients) of the Triton op on these inputs, with
-    torch's TF32 setting for fp32 matmuls (which picks the kernels' precision) set as given meanwhile; `by_token`:
-    with the token-major kernel for the forward and grad_x."""
+    torch's TF32 setting for fp32 matmuls (which picks the kernels' precision) set as given meanwhile."""
     tk = _compiled_module()
     recorded: list[Launch] = []
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32  # a property of torch's cuBLAS module: set and restore
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
         with _recording(tk, recorded):
-            tk.forward(x, weight, index, gate, n_out, by_token=by_token)
+            tk.forward(x, weight, index, gate, n_out)
             grad = torch.zeros(x.shape[0], n_out, weight.shape[2], dtype=x.dtype)
-            tk.backward(grad, x, weight, index, gate, gate is not None, by_token=by_token)
+            tk.backward(grad, x, weight, index, gate, gate is not None)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
     return recorded

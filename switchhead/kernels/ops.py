@@ -211,10 +211,6 @@ def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_ou
         return x.new_zeros(0, n_out, weight.shape[-1])
     with _autocast_off(x):
         if backend == "triton":
-            if x.is_cuda and _triton().token_major_pays(
-                x.shape[0], n_out, x.shape[1], index.shape[1], *weight.shape, 0, x.dtype
-            ):  # fmt: skip
-                return _triton().forward(x, weight, index, gate, n_out)
             if _dense_on_cuda(x, weight, index, n_out):
                 return torch_paths.dense_forward(x, weight, index, gate, n_out)
             return _triton().forward(x, weight, index, gate, n_out)

@@ -45,7 +45,6 @@ import triton.language as tl
 from torch import Tensor
 from triton import knobs
 
-from switchhead.kernels import torch_paths
 from switchhead.kernels.ops import KernelBackendError
 
 _INTERPRETED: bool = knobs.runtime.interpret
@@ -81,13 +80,6 @@ GATHER_MAX_TOKENS = 8
 # not a measurement: it has not been timed against the unsplit kernel on a GPU.
 WEIGHT_GRAD_MAX_SPLITS = 8
 WEIGHT_GRAD_MIN_PAIRS = 512
-# Where rows receive several pairs, the token-major kernel (`_token_matmul_kernel`) replaces the pair kernel when
-# its extra products (every expert for every row) cost less than the pair kernel's atomic adds, by a cost model in
-# multiply-adds: an fp32 atomic add into a shared row is taken to cost TOKEN_ATOMIC_MACS of them. Only for 16-bit
-# inputs (fp32 runs on the FMA units without TF32, where extra products cost far more) and from TOKEN_MIN_TOKENS
-# tokens (below, its tiles of tokens are too few programs for the GPU).
-TOKEN_ATOMIC_MACS = 750
-TOKEN_MIN_TOKENS = 1024
 # SM count assumed where there is no CUDA device to ask (the interpreter and `gpu_build`): an H100's.
 NOMINAL_SMS = 132
 
@@ -361,7 +353,7 @@ def _tile_product(
 
 @triton.autotune(
     configs=_all(_MATMUL_CONFIGS),
-    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_PER", "C_PER", "STORE", "PRECISION"],
+    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_PER", "C_PER", "PRECISION"],
     prune_configs_by={"early_config_prune": _pruner(_MATMUL_CONFIGS)},
     # Tuning runs every config: with ATOMIC the output accumulates, and a config with narrower BLOCK_N fills
     # more rows of the gate-gradient partials than the winner will; both are zeroed between runs.
@@ -373,9 +365,8 @@ def _grouped_matmul_kernel(
     n_experts, n_pairs, K_DIM: tl.constexpr, N_DIM: tl.constexpr, M_BUCKET, A_PER, C_PER, STORE_PER,
     stride_a: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
     stride_c: tl.constexpr, stride_partner: tl.constexpr,
-    HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, STORE: tl.constexpr, ATOMIC: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     expert, start, end = _tile_owner(tl.program_id(0), offsets_ptr, n_experts, BLOCK_M, E_PAD)
     if expert < 0:  # the grid is sized for the worst case (every expert ends in a partial tile)
@@ -400,8 +391,6 @@ def _grouped_matmul_kernel(
         partner = tl.load(partner_ptr + c_row[:, None] * stride_partner + offs_n[None, :], mask=mask_c, other=0.0)
         partial = tl.reduce(acc * partner.to(tl.float32), 1, _add)
         tl.store(gate_grad_ptr + tl.program_id(1) * n_pairs + pair, partial, mask=mask_m)
-    if not STORE:  # only the gate gradient was wanted
-        return
     if HAS_GATE:
         acc *= tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     # STORE_PER is C_PER, or 1 when the caller wants one row per pair (to add them up in a fixed order itself).
@@ -426,12 +415,11 @@ def _grouped_matmul(
     offsets: Tensor,
     gate: Tensor | None,
     partner: Tensor | None = None,
-    store: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """c[pair // c_per] += gate[pair] * a[pair // a_per] @ W[expert(pair)] (W^T if transpose_weight).
 
-    Returns c (fp32 if rows receive several pairs, else a's dtype; empty when not `store`) and, when `partner`
-    is given, the per-pair dot product of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
+    Returns c (fp32 if rows receive several pairs, else a's dtype) and, when `partner` is given, the per-pair
+    dot product of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
 
     Several pairs per row are added with atomics, in whatever order the tiles finish. Under
     torch.use_deterministic_algorithms(True) every pair gets a row of its own instead, and the rows are then
@@ -440,13 +428,12 @@ def _grouped_matmul(
     n_experts = weight.shape[0]
     k_dim, (n_dim, stride_wk, stride_wn) = a.shape[1], _oriented(weight, transpose_weight)
     n_pairs = order.numel()
-    per_pair = store and c_per > 1 and torch.are_deterministic_algorithms_enabled()
-    atomic = store and c_per > 1 and not per_pair
+    per_pair = c_per > 1 and torch.are_deterministic_algorithms_enabled()
+    atomic = c_per > 1 and not per_pair
     store_per = 1 if per_pair else c_per
     c = (torch.zeros if atomic else torch.empty)(
-        (n_pairs if per_pair else c_rows) if store else 0, n_dim,
-        dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device,
-    )  # fmt: skip
+        n_pairs if per_pair else c_rows, n_dim, dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device
+    )
     gate_grad = None if partner is None else _gate_grad_partials(n_dim, n_pairs, _MATMUL_CONFIGS, a.device)
 
     def grid(meta: dict) -> tuple[int, int]:
@@ -460,8 +447,8 @@ def _grouped_matmul(
         n_experts, n_pairs, k_dim, n_dim, _bucket(n_pairs), a_per, c_per, store_per,
         a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0),
         partner.stride(0) if partner is not None else 0,
-        HAS_GATE=gate is not None, GATE_GRAD=partner is not None, STORE=store, ATOMIC=atomic,
-        PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
+        HAS_GATE=gate is not None, GATE_GRAD=partner is not None, ATOMIC=atomic, PRECISION=_precision(a.dtype),
+        DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
     )  # fmt: skip
     if per_pair:
         c = c.view(c_rows, c_per, n_dim).sum(1)
@@ -640,159 +627,6 @@ def _gather(x2: Tensor, x_per: int, weight: Tensor, index: Tensor, gate: Tensor 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. Token-major products for rows that many pairs share
-
-
-@triton.autotune(
-    configs=_all(_MATMUL_CONFIGS),
-    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_ROWS", "C_PER", "PRECISION"],
-    prune_configs_by={"early_config_prune": _pruner(_MATMUL_CONFIGS)},
-)
-@triton.jit
-def _token_matmul_kernel(
-    a_ptr, coef_ptr, source_ptr, single_ptr, several_ptr, w_ptr, c_ptr,
-    n_rows, n_experts, K_DIM: tl.constexpr, N_DIM: tl.constexpr, M_BUCKET, A_ROWS: tl.constexpr, C_PER,
-    stride_an: tl.constexpr, stride_am: tl.constexpr, stride_kn, stride_kj, stride_ke, stride_km,
-    stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr, stride_c: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """c[n*C_PER + j] = sum over experts e of (sum over m of coef[n, j, e, m] * a[n, m]) @ W[e].
-
-    Each program owns a tile of output rows and runs through every expert: the gated inputs of an expert are
-    built in registers (zero for the rows that did not choose it), then multiplied like one K block of a dense
-    GEMM. Every output row is written once, with no atomics and no fp32 buffer, in a fixed order (bitwise
-    reproducible), at the price of the products of the experts nobody chose.
-
-    Where no (row, expert) takes more than one source row (SwitchHead's heads own their experts, sigma-MoE's
-    top-k are distinct), `several` is 0 and each step loads one source row per output row: source[row, e] with
-    the summed gate single[row, e], both read a step ahead. Otherwise every step adds all A_ROWS source rows."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < n_rows
-    token = (rows // C_PER).to(tl.int64)
-    a_rows = a_ptr + token[:, None] * stride_an
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N_DIM
-    offs_k = tl.arange(0, BLOCK_K)
-    k_steps = (K_DIM + BLOCK_K - 1) // BLOCK_K
-    steps = n_experts * k_steps
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    # One flat loop over (expert, K block), so that the pipeliner keeps the next steps' loads in flight across
-    # experts (a loop per expert would restart the pipeline every K_DIM / BLOCK_K steps).
-    if tl.load(several_ptr) == 0:
-        pick = rows.to(tl.int64) * n_experts
-        source_next = tl.load(source_ptr + pick, mask=mask_m, other=0)
-        gate_next = tl.load(single_ptr + pick, mask=mask_m, other=0.0)
-        for t in range(0, steps):
-            k0 = (t % k_steps) * BLOCK_K
-            mask_k = offs_k < K_DIM - k0
-            source, gate = source_next, gate_next
-            # Read a step ahead: an address from a load of the same step would stall the pipeliner. (The last step
-            # reads the last expert again, for nothing.)
-            e_next = tl.minimum((t + 1) // k_steps, n_experts - 1)
-            source_next = tl.load(source_ptr + pick + e_next, mask=mask_m, other=0)
-            gate_next = tl.load(single_ptr + pick + e_next, mask=mask_m, other=0.0)
-            a = tl.load(
-                a_rows + source[:, None] * stride_am + (k0 + offs_k)[None, :],
-                mask=(mask_m & (gate != 0))[:, None] & mask_k[None, :],  # rows that did not choose e read nothing
-                other=0.0,
-            )
-            acc = _token_step(acc, gate[:, None] * a.to(tl.float32), w_ptr, t // k_steps, k0, offs_k, mask_k, offs_n,
-                              mask_n, stride_we, stride_wk, stride_wn, PRECISION, DOT_FP32)  # fmt: skip
-    else:
-        coef_rows = coef_ptr + token * stride_kn + (rows % C_PER) * stride_kj
-        for t in range(0, steps):
-            e = t // k_steps
-            k0 = (t % k_steps) * BLOCK_K
-            mask_k = offs_k < K_DIM - k0
-            gated = tl.full((BLOCK_M, BLOCK_K), 0.0, tl.float32)
-            for m in tl.static_range(A_ROWS):
-                coef = tl.load(coef_rows + e * stride_ke + m * stride_km, mask=mask_m, other=0.0)
-                a = tl.load(
-                    a_rows + m * stride_am + (k0 + offs_k)[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0,
-                )
-                gated += coef[:, None] * a.to(tl.float32)
-            acc = _token_step(acc, gated, w_ptr, e, k0, offs_k, mask_k, offs_n, mask_n, stride_we, stride_wk,
-                              stride_wn, PRECISION, DOT_FP32)  # fmt: skip
-    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _token_step(
-    acc, gated, w_ptr, e, k0, offs_k, mask_k, offs_n, mask_n,
-    stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    """acc + gated @ W[e][k0 : k0 + BLOCK_K, offs_n], gated (fp32) rounded to the weight's precision first."""
-    w = tl.load(
-        w_ptr + e.to(tl.int64) * stride_we + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-        mask=mask_k[:, None] & mask_n[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        w = w.to(tl.float32)
-    else:
-        gated = gated.to(w.dtype)
-    return tl.dot(gated, w, acc, input_precision=PRECISION)
-
-
-def _token_matmul(a: Tensor, coef: Tensor, weight: Tensor, transpose_weight: bool) -> Tensor:
-    """[N, J, N_DIM] with row (n, j) = sum_e (sum_m coef[n, j, e, m] * a[n, m]) @ W[e] (W^T if transpose_weight),
-    for a [N, M, K_DIM] with unit stride along K and fp32 coef [N, J, E, M] (any strides)."""
-    n, a_rows, k_dim = a.shape
-    per_token, n_experts = coef.shape[1], coef.shape[2]
-    n_dim, stride_wk, stride_wn = _oriented(weight, transpose_weight)
-    c = torch.empty(n, per_token, n_dim, dtype=a.dtype, device=a.device)
-    n_rows = n * per_token
-    source, single, several = _token_sources(coef)
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(n_dim, meta["BLOCK_N"])
-
-    _token_matmul_kernel[grid](
-        a, coef, source, single, several, weight, c,
-        n_rows, n_experts, k_dim, n_dim, _bucket(n_rows), a_rows, per_token,
-        a.stride(0), a.stride(1), *coef.stride(), weight.stride(0), stride_wk, stride_wn, c.stride(1),
-        PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), **_BUILD,
-    )  # fmt: skip
-    return c
-
-
-def _token_sources(coef: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The single-source form of coef [N, J, E, M]: the source row of each (n, j, e) (int32 [N, J, E]), its
-    coefficient (fp32 [N, J, E]), and whether any (n, j, e) has several sources (int32 [], on the device: no host
-    sync; the kernel then takes the general loop)."""
-    chosen = coef != 0
-    several = (chosen.sum(-1) > 1).any().to(torch.int32)
-    source = chosen.to(torch.int32).argmax(-1).to(torch.int32).contiguous()
-    return source, coef.sum(-1).contiguous(), several
-
-
-def token_major_pays(
-    n: int, rows: int, sources: int, slots: int, n_experts: int, k_dim: int, n_dim: int, extra_macs: int,
-    dtype: torch.dtype,
-) -> bool:
-    """Whether a product into `rows` rows per token, each the sum of slots / rows pairs over `sources` source rows
-    of width k_dim, runs faster token-major than as pairs (`extra_macs`: per token, what only the token-major
-    way must compute besides)."""
-    if dtype not in (torch.float16, torch.bfloat16) or n < TOKEN_MIN_TOKENS or slots <= rows:
-        return False
-    token_macs = rows * n_experts * (n_dim + sources) * k_dim + extra_macs
-    pair_macs = slots * k_dim * n_dim + slots * n_dim * TOKEN_ATOMIC_MACS
-    return token_macs < pair_macs
-
-
-def _token_coefficients(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int) -> Tensor:
-    """fp32 [N, R, E, I]: the summed gates of the slots that read input row i through expert e into output row r."""
-    n = index.shape[0]
-    c = torch_paths._coefficients(index, gate, n_in, n_out, n_experts, torch.float32)
-    return c.view(n, n_out, n_experts, n_in)
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Entry points used by `ops`
 
 
@@ -814,25 +648,16 @@ def _padded_weight(weight: Tensor, d_in: int, d_out: int) -> Tensor:
     return torch.nn.functional.pad(weight, (0, d_out - weight.shape[2], 0, d_in - weight.shape[1]))
 
 
-def forward(
-    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, by_token: bool | None = None
-) -> Tensor:
-    """The op's forward; `by_token`: the token-major kernel (True) or the pair kernel (False) above
-    GATHER_MAX_TOKENS tokens, None: as `token_major_pays`."""
+def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     _require_runnable(x)
-    n, n_in, d_in = x.shape
+    n, n_in, _ = x.shape
     n_experts, _, d_out = weight.shape
     slots = index.shape[1]
-    if by_token is None:
-        by_token = token_major_pays(n, n_out, n_in, slots, n_experts, d_in, d_out, 0, x.dtype)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
     if n <= GATHER_MAX_TOKENS:
         flat_index = index.reshape(-1).contiguous()
         out = _gather(_rows(x), slots // n_in, weight, flat_index, flat_gate, n * n_out, slots // n_out)
         return out.view(n, n_out, d_out)
-    if by_token:
-        coef = _token_coefficients(index, gate, n_in, n_out, n_experts)
-        return _token_matmul(x.contiguous(), coef, weight, False)
     align = 1 if x.shape[2] >= UNPADDED_FORWARD_MIN_WIDTH else ALIGN
     d_in_p, d_out_p = _aligned(weight.shape[1], align), _aligned(d_out, align)
     x2, w = _rows(x, d_in_p), _padded_weight(weight, d_in_p, d_out_p)
@@ -843,37 +668,21 @@ def forward(
 
 def backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
-    need_weight_grad: bool = True, by_token: bool | None = None,
+    need_weight_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The op's backward; `by_token`: grad_x from the token-major kernel (and the gate gradient from a pass of the
-    pair kernel that stores nothing else) if True, from the pair kernel if False, None: as `token_major_pays`."""
     _require_runnable(x)
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
     n_out, slots = grad.shape[1], index.shape[1]
-    want_gate_grad = gate is not None and need_gate_grad
-    if by_token is None:
-        gate_pass = slots * d_in * d_out if want_gate_grad else 0
-        by_token = token_major_pays(n, n_in, n_out, slots, n_experts, d_out, d_in, gate_pass, x.dtype)
     d_in_p, d_out_p = _aligned(d_in, ALIGN), _aligned(d_out, ALIGN)
     x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
-    padded = _padded_weight(weight, d_in_p, d_out_p)
+    weight = _padded_weight(weight, d_in_p, d_out_p)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
+    partner = x2 if gate is not None and need_gate_grad else None
     order, offsets = _sort_pairs(index, n_experts)
-    if by_token:
-        coef = _token_coefficients(index, gate, n_in, n_out, n_experts).permute(0, 3, 2, 1)  # [N, I, E, R]
-        grad_x = _token_matmul(grad.to(x.dtype).contiguous(), coef, weight, True)
-        gate_grad = None
-        if want_gate_grad:
-            _, gate_grad = _grouped_matmul(
-                x2, slots // n_in, padded, False, n * n_out, slots // n_out, order, offsets, None, g2, store=False
-            )
-    else:
-        grad_x, gate_grad = _grouped_matmul(
-            g2, slots // n_out, padded, True, n * n_in, slots // n_in, order, offsets, flat_gate,
-            x2 if want_gate_grad else None,
-        )  # fmt: skip
-        grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
+    grad_x, gate_grad = _grouped_matmul(
+        g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
+    )
     grad_w = weight.new_empty(0)
     if need_weight_grad:
         grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
@@ -882,4 +691,5 @@ def backward(
         grad_gate = gate_grad.view(n, slots).to(gate.dtype)
     else:
         grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
+    grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
     return grad_x, grad_w, grad_gate
