@@ -554,7 +554,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()},"
+        f" CPU regime costs {torch_paths.this_cpu()}"
     )
     if args.device == "cuda" and not ((args.regimes or args.frozen) and torch.cuda.is_available()):
         parser.error("--device cuda needs --regimes or --frozen, and a CUDA device")

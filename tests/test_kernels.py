@@ -8,12 +8,14 @@ op tests on CUDA tensors instead: the compiled kernels, still against the float6
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -895,14 +897,17 @@ def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
     assert [m["STORE_PER"] for m in matmuls] == ([1, 1] if on else [6, 3])
 
 
-def test_choose_regime_follows_its_documented_thresholds(monkeypatch):
+@pytest.mark.parametrize("cpu", sorted(torch_paths.CPU_COSTS))
+def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
-    pinned to torch_paths' constants in fp32: gather up to GATHER_MAX_PAIRS pairs (BAG_MAX_PAIRS for a forward
-    that runs as one embedding_bag), dense while its wasted MACs cost at most GROUPED_OVERHEAD_MACS_PER_EXPERT per
-    expert, combo from COMBO_MIN_SEGMENTS_PER_SET segments per expert set (BF16_COMBO_MIN_SEGMENTS_PER_SET in bf16
-    on a CPU with bf16 instructions), and never dense for the backward of inputs expanded to every expert."""
+    pinned to torch_paths' constants in fp32, for each kind of CPU: gather up to GATHER_MAX_PAIRS pairs
+    (BAG_MAX_PAIRS for a forward that runs as one embedding_bag), dense while its wasted MACs cost at most what
+    grouped spends beside its GEMMs (per expert and per element of each pair's rows), combo from
+    COMBO_MIN_SEGMENTS_PER_SET segments per expert set (BF16_COMBO_MIN_SEGMENTS_PER_SET in bf16 on a CPU with bf16
+    instructions), and never dense for the backward of inputs expanded to every expert."""
     tp = torch_paths
-    choose = tp.choose_regime
+    costs = tp.CPU_COSTS[cpu]
+    choose = functools.partial(tp.choose_regime, costs=costs)
     # sigma-MoE down (I = S, R = 1): segments of one slot, so never combo; contracted inputs
     down = dict(n_in=4, slots=4, n_out=1, n_experts=16, d_in=64, d_out=64)
     k = down["slots"]
@@ -912,14 +917,22 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch):
     assert choose(tp.BAG_MAX_PAIRS // k + 1, **down, bag=True) == "dense"
     assert choose(tp.BAG_MAX_PAIRS // k, **down, backward=True, bag=True) == "dense"  # the bag is forward-only
     waste = down["n_experts"] * min(down["n_in"], down["n_out"]) / k  # dense's MACs per useful MAC
-    n_dense = int(down["n_experts"] * tp.GROUPED_OVERHEAD_MACS_PER_EXPERT // ((waste - 1) * k * 64 * 64))
-    assert n_dense > tp.BAG_MAX_PAIRS  # the shape tests what it says
     for backward in (False, True):
+        # per pair: dense's wasted MACs less what grouped moves (64 + 64 elements)
+        saved = (waste - 1) * 64 * 64 - costs.per_element[backward] * (64 + 64)
+        n_dense = int(down["n_experts"] * costs.per_expert[backward] // (k * saved))
+        assert n_dense > tp.BAG_MAX_PAIRS  # the shape tests what it says
         assert choose(n_dense, **down, backward=backward) == "dense"
         assert choose(n_dense + 1, **down, backward=backward) == "grouped"
+        # rows so narrow that moving them costs grouped more than dense wastes: dense at any N, on a CPU where
+        # moving them costs anything
+        narrow = dict(down, d_in=8, d_out=8)
+        many = 10**7
+        moved_more = costs.per_element[backward] * (8 + 8) >= (waste - 1) * 8 * 8
+        assert choose(many, **narrow, backward=backward) == ("dense" if moved_more else "grouped")
     # sigma-MoE up (I = 1, R = S): the same waste, but its dense backward would recompute the forward
     up = dict(down, n_in=1, n_out=4)
-    assert choose(n_dense, **up) == "dense"
+    assert choose(tp.GATHER_MAX_PAIRS // k + 1, **up) == "dense"
     assert choose(tp.GATHER_MAX_PAIRS // k + 1, **up, backward=True) == "grouped"
     # SwitchHead V (2 heads of 4 experts, k = 3): segments of 3 slots, C(4, 3) expert sets per head
     v = dict(n_in=1, slots=6, n_out=2, n_experts=8, d_in=20, d_out=12)
@@ -934,6 +947,37 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch):
     assert tp.BF16_COMBO_MIN_SEGMENTS_PER_SET != tp.COMBO_MIN_SEGMENTS_PER_SET  # the case tests what it says
     assert choose(n_combo, **v_wide, backward=True, dtype=torch.bfloat16) == "combo"
     assert choose(n_combo - 1, **v_wide, backward=True, dtype=torch.bfloat16) == "grouped"
+
+
+def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
+    """The regime constants are those measured on the kind of CPU this is (an Intel one that PyTorch runs with
+    AVX-512, or any other), and the op's choice uses them unless told otherwise."""
+    tp = torch_paths
+    assert tp.cpu_kind("GenuineIntel", "AVX512") == "intel-avx512"
+    for vendor, capability in [("GenuineIntel", "AVX2"), ("AuthenticAMD", "AVX512"), ("AuthenticAMD", "AVX2"),
+                               ("", "DEFAULT")]:
+        assert tp.cpu_kind(vendor, capability) == "default"
+    # this machine, its vendor read independently
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = None
+    if cpuinfo is not None:
+        intel = re.search(r"^vendor_id\s*:\s*GenuineIntel$", cpuinfo, re.M) is not None
+        for capability in ("AVX512", "AVX2"):
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+            tp.this_cpu.cache_clear()
+            try:
+                assert tp.this_cpu() == ("intel-avx512" if intel and capability == "AVX512" else "default")
+            finally:
+                tp.this_cpu.cache_clear()
+    # the choice follows whichever kind it is: 262M O's backward is dense up to N ~ 270 on one, ~30 on the other
+    o = dict(n_in=4, slots=8, n_out=1, n_experts=16, d_in=112, d_out=1024, backward=True)
+    for kind in ("intel-avx512", "default"):
+        monkeypatch.setattr(tp, "this_cpu", lambda k=kind: k)
+        for n in (16, 64, 256, 1024):
+            assert tp.choose_regime(n, **o) == tp.choose_regime(n, **o, costs=tp.CPU_COSTS[kind])
+    assert [tp.choose_regime(64, **o, costs=c) for c in tp.CPU_COSTS.values()] == ["grouped", "dense"]  # it differs
 
 
 def test_cuda_prefers_dense_follows_its_documented_rule():

@@ -19,14 +19,16 @@ Four regimes, each with its own forward and backward, picked per call by `choose
 Rows are gathered with ``index_select``, never advanced indexing: for whole rows on the CPU ``x[idx]`` goes
 through the generic indexing kernel, which is much slower.
 
-The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on a 2-core CPU
-(docs/BENCHMARKS.md); re-measure before changing them.
+The thresholds in `choose_regime` come from `benchmarks/kernels.py` run on 2-core CPUs, one set per kind of CPU
+(`CPU_COSTS`, docs/BENCHMARKS.md); re-measure before changing them.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import platform
 from typing import Literal, NamedTuple
 
 import torch
@@ -37,20 +39,71 @@ from switchhead.devices import native_half
 Regime = Literal["gather", "dense", "grouped", "combo"]
 Grads = tuple[Tensor, Tensor, Tensor]
 
-# Thresholds measured on a 2-core CPU, one torch thread, with
-# `python benchmarks/kernels.py --threads 1 --n 16 32 64 128 256 4096` (docs/BENCHMARKS.md; the machine is shared
-# and noisy: re-measure before trusting small differences). Forward times below are dense vs grouped.
-# Up to this many (token, slot) pairs a plain loop of vector-matrix products wins: it reads only the selected
-# experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
+# Thresholds measured on 2-core CPUs, one torch thread, with `python benchmarks/kernels.py --threads 1 --n ...
+# --regimes ...` (docs/BENCHMARKS.md; the machines are shared and noisy: re-measure before trusting small
+# differences). Up to this many (token, slot) pairs a plain loop of vector-matrix products wins: it reads only the
+# selected experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
 GATHER_MAX_PAIRS = 8
 # The forward's gather as one embedding_bag (`_bag_forward`: CPU, fp32/fp64) stays ahead of dense for more pairs:
-# `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense` (docs/BENCHMARKS.md).
+# `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense` (docs/BENCHMARKS.md). On the
+# Intel VMs the crossover moves with the shape from ~20 to ~70 pairs, and no other count lost clearly less over two
+# runs (`--n 1 2 4 8 16 32 64` and `--n 3 5 6 10 12`: 1.024-1.034x the better regime's time for 32 to 64 pairs).
 BAG_MAX_PAIRS = 64
-# Above that, dense wastes (E*min(I, R)/S - 1) times the useful MACs while grouped pays a roughly fixed cost per
-# expert (sort, gathers, index_add, small GEMMs): worth about this many MACs each. It puts the crossover at
-# N ~ 140 tokens for 47M (47M O: 1.12 vs 1.27 ms at N = 128, 2.15 vs 1.96 ms at N = 256), N ~ 30 for 262M
-# (262M V: 1.18 vs 1.34 ms at N = 16, 1.80 vs 1.48 ms at N = 32) and N ~ 44 for sigma-MoE (measured: ~30).
-GROUPED_OVERHEAD_MACS_PER_EXPERT = 1.75e6
+
+
+class CpuCosts(NamedTuple):
+    """What the fp32 regimes cost beside their useful multiply-adds on one kind of CPU, in multiply-adds at the rate
+    of dense's one big GEMM. Dense wastes (E*min(I, R)/S - 1) times the useful MACs, while
+    grouped pays a roughly fixed cost per expert (sort, launches, small GEMMs) and one per element of each pair's
+    input and output row (gathers, index_adds, GEMMs narrower than dense's): dense while the waste costs less."""
+
+    per_expert: tuple[float, float]  # forward, backward
+    per_element: tuple[float, float]  # forward, backward
+
+
+CPU_COSTS = {
+    # AMD EPYC VMs, with AVX2 or with AVX-512 (see "intel-avx512" for why not by instruction set).
+    # `python benchmarks/kernels.py --threads 1 --n 16 32 64 128 256 4096`, dense vs grouped forward: the crossover
+    # at N ~ 140 tokens for 47M (47M O: 1.12 vs 1.27 ms at N = 128, 2.15 vs 1.96 ms at N = 256), N ~ 30 for 262M
+    # (262M V: 1.18 vs 1.34 ms at N = 16, 1.80 vs 1.48 ms at N = 32) and N ~ 44 for sigma-MoE (measured: ~30).
+    "default": CpuCosts(per_expert=(1.75e6, 1.75e6), per_element=(0.0, 0.0)),
+    # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
+    # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
+    # while the gathers take longer. `--n 16 32 ... 2048` and `--n 24 48 ... 3072 --regimes dense grouped`: the
+    # constants that lose least over both runs and an earlier one (geometric mean 1.003-1.009x the better regime's
+    # time forward, 1.002-1.003x backward; the most in one cell 1.25x, 262M O forward at N = 64: the model gives
+    # 262M V and O one crossover, measured at 64-96 and ~30). Crossovers: 47M beyond N = 2000, where combo takes
+    # over (47M O at N = 1024: dense 6.56 vs 8.52 ms forward, 15.49 vs 15.29 ms backward); 262M and sigma-MoE
+    # forward at N ~ 70 (262M V 2.76 vs 3.54 ms at N = 64, 6.38 vs 4.96 at 128), their O-like backward at N ~ 270
+    # and 165 (262M O 10.87 vs 13.81 ms at N = 128; sigma-MoE down 5.09 vs 6.12 at 128, 9.59 vs 7.30 at 256).
+    "intel-avx512": CpuCosts(per_expert=(2.5e6, 5e6), per_element=(40.0, 68.0)),
+}
+
+
+def cpu_kind(vendor: str, capability: str) -> str:
+    """The `CPU_COSTS` entry for a CPU of this vendor (its CPUID string) on which PyTorch uses these instructions
+    (`torch.backends.cpu.get_cpu_capability()`); kinds not measured get the default."""
+    return "intel-avx512" if vendor == "GenuineIntel" and capability == "AVX512" else "default"
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:  # not Linux: Windows names the vendor here, macOS does not (it gets the default)
+        return "GenuineIntel" if "GenuineIntel" in platform.processor() else ""
+
+
+@functools.cache
+def this_cpu() -> str:
+    return cpu_kind(_cpu_vendor(), torch.backends.cpu.get_cpu_capability())
+
+
+def cpu_costs() -> CpuCosts:
+    """The costs measured on the kind of CPU this is."""
+    return CPU_COSTS[this_cpu()]
+
+
 # combo instead of grouped when each expert set is expected to have at least this many segments: tokens /
 # C(experts per head, k). `python benchmarks/kernels.py --threads 1 --n 512 2048 4096 8192 --regimes grouped
 # combo`, grouped vs combo forward / backward ms, on an AMD EPYC VM: 47M O (10 sets) 22.6 / 45.3 vs 20.1 / 42.5 at
@@ -109,8 +162,11 @@ def choose_regime(
     backward: bool = False,
     dtype: torch.dtype = torch.float32,
     bag: bool = False,
+    costs: CpuCosts | None = None,
 ) -> Regime:
-    """The regime for these shapes; `bag`: the forward's gather would run as one embedding_bag."""
+    """The regime for these shapes; `bag`: the forward's gather would run as one embedding_bag; `costs`: those of
+    this CPU (`cpu_costs()`) unless given."""
+    costs = costs or cpu_costs()
     if n * slots <= (BAG_MAX_PAIRS if bag and not backward else GATHER_MAX_PAIRS):
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
@@ -129,7 +185,8 @@ def choose_regime(
         # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
         # 1.36 vs 0.61 ms, `python benchmarks/kernels.py --threads 1 --n 16 64 256 --regimes dense grouped`).
         return "grouped"
-    return "dense" if (waste - 1) * useful_macs <= n_experts * GROUPED_OVERHEAD_MACS_PER_EXPERT else "grouped"
+    moved = costs.per_element[backward] * n * slots * (d_in + d_out)
+    return "dense" if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[backward] else "grouped"
 
 
 # On CUDA the Triton kernels run every call, except the forward of shapes that contract their inputs (I > R, the
