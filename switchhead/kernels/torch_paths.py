@@ -46,16 +46,16 @@ Grads = tuple[Tensor, Tensor, Tensor]
 GATHER_MAX_PAIRS = 8
 # The forward's gather as one embedding_bag (`_bag_forward`: CPU, fp32/fp64) stays ahead of dense for more pairs:
 # `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense` (docs/BENCHMARKS.md). On the
-# Intel VMs the crossover moves with the shape from ~20 to ~70 pairs, and no other count lost clearly less over two
+# Intel VMs the crossover moves with the shape from ~20 to ~64 pairs, and no other count lost clearly less over two
 # runs (`--n 1 2 4 8 16 32 64` and `--n 3 5 6 10 12`: 1.024-1.034x the better regime's time for 32 to 64 pairs).
 BAG_MAX_PAIRS = 64
 
 
 class CpuCosts(NamedTuple):
     """What the fp32 regimes cost beside their useful multiply-adds on one kind of CPU, in multiply-adds at the rate
-    of dense's one big GEMM. Dense wastes (E*min(I, R)/S - 1) times the useful MACs, while
-    grouped pays a roughly fixed cost per expert (sort, launches, small GEMMs) and one per element of each pair's
-    input and output row (gathers, index_adds, GEMMs narrower than dense's): dense while the waste costs less."""
+    of dense's one big GEMM. Dense wastes (E*min(I, R)/S - 1) times the useful MACs, while grouped pays a roughly
+    fixed cost per expert (sort, launches, small GEMMs) and one per element of each pair's input and output row
+    (gathers, index_adds, GEMMs narrower than dense's): dense while the waste costs less."""
 
     per_expert: tuple[float, float]  # forward, backward
     per_element: tuple[float, float]  # forward, backward
@@ -96,6 +96,7 @@ def _cpu_vendor() -> str:
 
 @functools.cache
 def this_cpu() -> str:
+    """The kind of CPU this is: a `CPU_COSTS` key."""
     return cpu_kind(_cpu_vendor(), torch.backends.cpu.get_cpu_capability())
 
 
