@@ -977,7 +977,50 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
         monkeypatch.setattr(tp, "this_cpu", lambda k=kind: k)
         for n in (16, 64, 256, 1024):
             assert tp.choose_regime(n, **o) == tp.choose_regime(n, **o, costs=tp.CPU_COSTS[kind])
-    assert [tp.choose_regime(64, **o, costs=c) for c in tp.CPU_COSTS.values()] == ["grouped", "dense"]  # it differs
+    # ... and the two kinds differ there
+    assert tp.choose_regime(64, **o, costs=tp.CPU_COSTS["default"]) == "grouped"
+    assert tp.choose_regime(64, **o, costs=tp.CPU_COSTS["intel-avx512"]) == "dense"
+
+
+def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
+    """`benchmarks/regime_fit.py`: every dense/grouped cell of a `--regimes` table scored by the time of the regime
+    the rule picks over the better one's; combo cells, other tables and V-like backwards left out."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    names = ("regime_fit", "kernels")
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    try:
+        import regime_fit
+    finally:  # the benchmarks' top-level names stay out of other tests' way
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+    table = """
+| case | N | gather fwd | gather bwd | dense fwd | dense bwd | auto fwd / bwd |
+|---|---|---|---|---|---|---|
+| 47M O | 16 | 9.0 | 9.0 | 1.0 | 1.0 | gather / dense |
+
+| case | N | dense fwd | dense bwd | grouped fwd | grouped bwd | old | auto fwd / bwd |
+|---|---|---|---|---|---|---|---|
+| 47M O | 16 | 1.0 | 1.0 | 2.0 | 4.0 | - | - |
+| 47M O | 512 | 3.0 | 3.0 | 2.0 | 6.0 | - | - |
+| 47M V | 512 | 1.0 | 9.0 | 2.0 | 1.0 | - | - |
+| 47M V | 4096 | 1.0 | 1.0 | 5.0 | 5.0 | - | - |
+"""
+    cells = regime_fit.read_cells(table)
+    assert [(c[0].name, c[1], c[2]) for c in cells] == [
+        (name, n, bwd) for name, n in [("47M O", 16), ("47M O", 512), ("47M V", 512), ("47M V", 4096)]
+        for bwd in (False, True)
+    ]
+    default, intel = torch_paths.CPU_COSTS["default"], torch_paths.CPU_COSTS["intel-avx512"]
+    # default: dense at N = 16, grouped at 512 (both passes), combo at 4096 (not scored)
+    mean, worst, where, count = regime_fit.score(cells, default, backward=False)
+    assert (count, worst, where) == (3, 2.0, "47M V N=512") and mean == pytest.approx(2 ** (1 / 3))
+    mean, worst, where, count = regime_fit.score(cells, default, backward=True)
+    assert (count, worst, where) == (2, 2.0, "47M O N=512") and mean == pytest.approx(2**0.5)
+    # intel-avx512 keeps 47M dense at N = 512
+    mean, worst, where, count = regime_fit.score(cells, intel, backward=False)
+    assert (count, worst, where) == (3, 1.5, "47M O N=512") and mean == pytest.approx(1.5 ** (1 / 3))
+    assert regime_fit.score(cells, intel, backward=True) == (1.0, 1.0, "-", 2)
 
 
 def test_cuda_prefers_dense_follows_its_documented_rule():

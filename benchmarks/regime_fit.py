@@ -1,0 +1,111 @@
+"""How well the CPU regime rule (`torch_paths.choose_regime`) picks between dense and grouped, on measured tables.
+
+    python benchmarks/kernels.py --threads 1 --n 16 32 64 128 256 512 1024 2048 --regimes dense grouped > a.md
+    python benchmarks/regime_fit.py a.md b.md ...          # each CPU_COSTS kind, per table and over all of them
+    python benchmarks/regime_fit.py a.md b.md ... --grid   # and the grid's best constants over all the tables
+
+Reads the markdown rows of `--regimes dense grouped` tables (any table with the columns `case`, `N`, `dense fwd`,
+`dense bwd`, `grouped fwd`, `grouped bwd` and the cases of `benchmarks/kernels.py`). Each cell is scored by the time
+of the regime the rule picks over the better of the two; cells where the rule picks neither (combo, gather) and the
+backward of V-like shapes (always grouped) do not count. Printed: the geometric mean of that ratio and the worst cell,
+forward and backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from kernels import CASES, Case
+
+from switchhead.kernels import torch_paths
+from switchhead.kernels.torch_paths import CpuCosts
+
+COLUMNS = ("dense fwd", "dense bwd", "grouped fwd", "grouped bwd")
+Cell = tuple[Case, int, bool, float, float]  # case, N, backward, dense ms, grouped ms
+
+
+def read_cells(text: str) -> list[Cell]:
+    by_name = {c.name: c for c in CASES}
+    cells: list[Cell] = []
+    header: list[str] | None = None
+    for line in text.splitlines():
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| case |"):
+            header = cols if all(c in cols for c in COLUMNS) else None
+        elif header and line.startswith("|") and cols[0] in by_name:
+            row = dict(zip(header, cols))
+            for backward, (d, g) in ((False, COLUMNS[0::2]), (True, COLUMNS[1::2])):
+                cells.append((by_name[cols[0]], int(row["N"]), backward, float(row[d]), float(row[g])))
+    return cells
+
+
+def _pick(cell: Cell, costs: CpuCosts) -> str:
+    case, n, backward, _, _ = cell
+    shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
+    return torch_paths.choose_regime(*shape, backward, costs=costs)
+
+
+def score(cells: list[Cell], costs: CpuCosts, backward: bool) -> tuple[float, float, str, int]:
+    """Geometric mean of picked / best time, the worst ratio, its cell, and the number of cells scored."""
+    logs, worst, where = [], 1.0, "-"
+    for cell in cells:
+        case, n, bwd, dense, grouped = cell
+        if bwd != backward or (bwd and case.n_in <= case.n_out):
+            continue
+        pick = _pick(cell, costs)
+        if pick not in ("dense", "grouped"):
+            continue
+        ratio = (dense if pick == "dense" else grouped) / min(dense, grouped)
+        logs.append(math.log(ratio))
+        if ratio > worst:
+            worst, where = ratio, f"{case.name} N={n}"
+    return (math.exp(sum(logs) / len(logs)) if logs else 1.0), worst, where, len(logs)
+
+
+def _row(label: str, cells: list[Cell], costs: CpuCosts) -> str:
+    scores = (score(cells, costs, backward) for backward in (False, True))
+    parts = [f"{m:.3f} (worst {w:.2f}, {where}; {k} cells)" for m, w, where, k in scores]
+    return f"| {label} | {parts[0]} | {parts[1]} |"
+
+
+def grid(cells: list[Cell], backward: bool, top: int) -> list[str]:
+    """The constants of the pass that lose least over the cells (ties: every one of them shown up to `top`)."""
+    results = []
+    for per_element in range(0, 161, 4):
+        for step in range(41):
+            per_expert = 0.5e6 * 1.12**step
+            costs = CpuCosts(per_expert=(per_expert,) * 2, per_element=(float(per_element),) * 2)
+            results.append((round(score(cells, costs, backward)[0], 4), per_element, per_expert))
+    results.sort()
+    return [f"  {m:.4f}: per_element {c}, per_expert {e:.3g}" for m, c, e in results[:top]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tables", nargs="+", help="files with `benchmarks/kernels.py --regimes dense grouped` output")
+    parser.add_argument("--grid", action="store_true", help="also search the constants that fit the tables best")
+    parser.add_argument("--top", type=int, default=8, help="with --grid: how many of the best to show")
+    args = parser.parse_args()
+    tables = {}
+    for path in args.tables:
+        with open(path) as f:
+            tables[path] = read_cells(f.read())
+        if not tables[path]:
+            sys.exit(f"regime_fit.py: no dense/grouped rows in {path}")
+    every = [cell for cells in tables.values() for cell in cells]
+    for kind, costs in torch_paths.CPU_COSTS.items():
+        print(f"\n## {kind}: {costs}\n\n| table | forward | backward (I > R) |\n|---|---|---|")
+        for path, cells in tables.items():
+            print(_row(path, cells, costs))
+        if len(tables) > 1:
+            print(_row("all", every, costs))
+    if args.grid:
+        for backward in (False, True):
+            print(f"\nbest over all tables, {'backward' if backward else 'forward'}:")
+            print("\n".join(grid(every, backward, args.top)))
+
+
+if __name__ == "__main__":
+    main()
