@@ -46,8 +46,8 @@ Grads = tuple[Tensor, Tensor, Tensor]
 GATHER_MAX_PAIRS = 8
 # The forward's gather as one embedding_bag (`_bag_forward`: CPU, fp32/fp64) stays ahead of dense for more pairs:
 # `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense` (docs/BENCHMARKS.md). On the
-# Intel VMs the crossover moves with the shape from ~20 to ~64 pairs, and no other count lost clearly less over two
-# runs (`--n 1 2 4 8 16 32 64` and `--n 3 5 6 10 12`: 1.024-1.034x the better regime's time for 32 to 64 pairs).
+# Intel VMs the crossover moves with the shape from ~20 to ~64 pairs (`--n 1 2 4 8 16 32 64` and `--n 3 5 6 10 12`):
+# a lower count would only move the loss from some shapes to others.
 BAG_MAX_PAIRS = 64
 
 
@@ -69,10 +69,11 @@ CPU_COSTS = {
     "default": CpuCosts(per_expert=(1.75e6, 1.75e6), per_element=(0.0, 0.0)),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
     # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
-    # while the gathers take longer. `--n 16 32 ... 2048` and `--n 24 48 ... 3072 --regimes dense grouped`: the
-    # constants that lose least over both runs and an earlier one (geometric mean 1.003-1.009x the better regime's
-    # time forward, 1.002-1.003x backward; the most in one cell 1.25x, 262M O forward at N = 64: the model gives
-    # 262M V and O one crossover, measured at 64-96 and ~30). Crossovers: 47M beyond N = 2000, where combo takes
+    # while the gathers take longer. `--n 16 32 ... 2048` and `--n 24 48 ... 3072 --regimes dense grouped`: round
+    # constants among those that lose least over both runs and an earlier one (`benchmarks/regime_fit.py --grid`;
+    # geometric mean 1.003-1.009x the better regime's time forward, 1.002-1.003x backward; the most in one cell
+    # 1.25x, 262M O forward at N = 64: the model gives 262M V and O one crossover, measured at 64-96 and ~30).
+    # Crossovers: 47M beyond N = 2000, where combo takes
     # over (47M O at N = 1024: dense 6.56 vs 8.52 ms forward, 15.49 vs 15.29 ms backward); 262M and sigma-MoE
     # forward at N ~ 70 (262M V 2.76 vs 3.54 ms at N = 64, 6.38 vs 4.96 at 128), their O-like backward at N ~ 270
     # and 165 (262M O 10.87 vs 13.81 ms at N = 128; sigma-MoE down 5.09 vs 6.12 at 128, 9.59 vs 7.30 at 256).
@@ -98,11 +99,6 @@ def _cpu_vendor() -> str:
 def this_cpu() -> str:
     """The kind of CPU this is: a `CPU_COSTS` key."""
     return cpu_kind(_cpu_vendor(), torch.backends.cpu.get_cpu_capability())
-
-
-def cpu_costs() -> CpuCosts:
-    """The costs measured on the kind of CPU this is."""
-    return CPU_COSTS[this_cpu()]
 
 
 # combo instead of grouped when each expert set is expected to have at least this many segments: tokens /
@@ -166,8 +162,7 @@ def choose_regime(
     costs: CpuCosts | None = None,
 ) -> Regime:
     """The regime for these shapes; `bag`: the forward's gather would run as one embedding_bag; `costs`: those of
-    this CPU (`cpu_costs()`) unless given."""
-    costs = costs or cpu_costs()
+    this kind of CPU (`this_cpu()`) unless given."""
     if n * slots <= (BAG_MAX_PAIRS if bag and not backward else GATHER_MAX_PAIRS):
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
@@ -186,6 +181,7 @@ def choose_regime(
         # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
         # 1.36 vs 0.61 ms, `python benchmarks/kernels.py --threads 1 --n 16 64 256 --regimes dense grouped`).
         return "grouped"
+    costs = costs or CPU_COSTS[this_cpu()]
     moved = costs.per_element[backward] * n * slots * (d_in + d_out)
     return "dense" if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[backward] else "grouped"
 
