@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -86,14 +87,18 @@ def make_inputs(case: Case, n: int, dtype: torch.dtype, device: str, grad: bool 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
     """Wall times in seconds of each function over `repeats` rounds, calling them in turn each round (after one
-    warm-up round). The machine is shared: interleaving exposes every candidate to the same background load."""
+    warm-up round). The machine is shared: interleaving exposes every candidate to the same background load. Each
+    round calls them in a new order (seeded): on the CPU a call pays for what the call before it left behind (memory
+    it freed), and in a fixed order the function after the largest one ran up to 10 % slower than an identical
+    copy of itself placed elsewhere (docs/BENCHMARKS.md, "Order of the calls")."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
+    names, order = list(fns), random.Random(0)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name in order.sample(names, len(names)):
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t0)
     return times
 

@@ -776,6 +776,22 @@ def _benchmark_module():
     return bench_module
 
 
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_interleaved_rounds_change_order(count):
+    """benchmarks/kernels.py's interleaved timer: a warm-up round, then every function once per round, in orders
+    that change from round to round, so that no function always follows the same one (that was measurably
+    slower for the function after the largest)."""
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abcd"[:count]}
+    times = _benchmark_module().interleaved_times(fns, 12)
+    assert {name: len(ts) for name, ts in times.items()} == {name: 12 for name in fns}
+    rounds = [calls[i : i + count] for i in range(0, len(calls), count)]
+    assert len(rounds) == 13 and all(sorted(r) == sorted(fns) for r in rounds)
+    if count > 1:
+        before = {name: {prev for prev, nxt in zip(calls, calls[1:]) if nxt == name} for name in fns}
+        assert all(len(prev) > 1 for prev in before.values()), before
+
+
 def _time_once(fn) -> float:
     """ms of one call of `fn`."""
     import time
