@@ -193,9 +193,12 @@ def test_gather_forward_in_float64_is_exact(shape):
 @pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[10], SHAPES[11]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("regime", ["grouped", "combo"])
-def test_blocks_add_up(shape, dtype, regime, monkeypatch):
-    """grouped and combo cut an expert's (or expert set's) rows into blocks; with tiny blocks each spans several."""
+@pytest.mark.parametrize("buffers", [True, False], ids=["buffers", "fresh"])
+def test_blocks_add_up(shape, dtype, regime, buffers, monkeypatch):
+    """grouped and combo cut an expert's (or expert set's) rows into blocks; with tiny blocks each spans several,
+    and the blocks' temporaries are views of buffers shared by all blocks, or fresh for each."""
     monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 60)  # a few rows
+    monkeypatch.setattr(torch_paths, "BUFFER_MIN_ELEMENTS", 0 if buffers else 1 << 62)
     exact, cast = make(shape, dtype)
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), dtype)
 
@@ -210,11 +213,13 @@ PADDED_SHAPES = [
 
 @pytest.mark.parametrize("shape", PADDED_SHAPES, ids=str)
 @pytest.mark.parametrize("regime", ["grouped", "combo"])
-def test_padded_gemm_rows(shape, regime, monkeypatch):
+@pytest.mark.parametrize("buffers", [True, False], ids=["buffers", "fresh"])
+def test_padded_gemm_rows(shape, regime, buffers, monkeypatch):
     """On the CPU in fp32, grouped and combo write their GEMMs' rows padded (GEMM_ALIGN) once the experts have
-    enough pairs; here always, and with blocks of a few rows."""
+    enough pairs; here always, and with blocks of a few rows, into shared buffers or fresh temporaries."""
     monkeypatch.setattr(torch_paths, "GEMM_PAD_MIN_PAIRS_PER_EXPERT", 0)
     monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 8 * 64)
+    monkeypatch.setattr(torch_paths, "BUFFER_MIN_ELEMENTS", 0 if buffers else 1 << 62)
     exact, cast = make(shape)
     x, _, index, _, _ = cast
     widths = [torch_paths._gemm_width(d, x, index, shape.experts) for d in (shape.d_in, shape.d_out)]

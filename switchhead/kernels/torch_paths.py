@@ -128,6 +128,13 @@ GROUPED_BLOCK_ELEMENTS = 256 * 1024
 GEMM_ALIGN = 16
 GEMM_PAD_MAX_WIDTH = 256
 GEMM_PAD_MIN_PAIRS_PER_EXPERT = 2048
+# grouped and combo write each block's temporaries into views of buffers shared by all blocks of a call where the
+# widest is at least this many elements (128 KiB in fp32, glibc's default mmap threshold), and allocate them fresh
+# below. `python benchmarks/kernels.py --threads 1 --n 64 256 1024 4096 --regimes grouped combo --against ff84840`
+# (an Intel Xeon VM, two runs): backward 0.86-0.87x the time for 47M V grouped at N = 1024, 0.93-0.95x for sigma-MoE
+# up and 0.94x for 262M V combo at N = 4096, 0.93-1.05x elsewhere; forward 0.93-1.06x. With the buffers at any size
+# (BUFFER_MIN_ELEMENTS = 0), blocks of a few dozen rows (N = 16-64) took up to 1.14x the time they take with this.
+BUFFER_MIN_ELEMENTS = 32 * 1024
 
 # bf16 inputs on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX): one big bf16 GEMM runs at about twice
 # the fp32 rate, while grouped and combo keep their gathers, fp32 conversions and index_adds around thinner GEMMs,
@@ -494,6 +501,37 @@ def _padded(t: Tensor, width: int) -> Tensor:
     return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
 
+class _Buffers:
+    """Block-sized work buffers of one call, each reused by every block, where the blocks' temporaries are large
+    (BUFFER_MIN_ELEMENTS): fresh memory for every block, which the allocator may have handed back to the system in
+    between, was measured slower than the same memory used again."""
+
+    def __init__(self, blocks: list[tuple[list[int], slice]], widest: int, device: torch.device):
+        self.rows = max((b.stop - b.start for _, b in blocks), default=0)
+        self.on = self.rows * widest >= BUFFER_MIN_ELEMENTS
+        self.device = device
+        self.made: dict[str, Tensor] = {}
+
+    def get(self, name: str, m: int, width: int, dtype: torch.dtype) -> Tensor | None:
+        """An [m, width] view of the buffer called `name` (made at the first call), or None: allocate as you go."""
+        if not self.on:
+            return None
+        t = self.made.get(name)
+        if t is None or t.shape[1] != width or t.dtype != dtype:
+            t = self.made[name] = torch.empty(self.rows, width, dtype=dtype, device=self.device)
+        return t[:m]
+
+
+# Written into the buffer where there is one (`_Buffers`); without one, the plain calls: with out=None these cost a few
+# microseconds more per call, enough to show in blocks of a few dozen rows.
+def _rows(t: Tensor, index: Tensor, out: Tensor | None) -> Tensor:
+    return t.index_select(0, index) if out is None else torch.index_select(t, 0, index, out=out)
+
+
+def _mul(a: Tensor, b: Tensor, out: Tensor | None) -> Tensor:
+    return a * b if out is None else torch.mul(a, b, out=out)
+
+
 def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, seg: int) -> Tensor:
     n, slots = index.shape
     d_in, d_out = weight.shape[1:]
@@ -506,20 +544,26 @@ def _segments_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
     weight = _padded(weight, width)
     own = _one_segment_per_row(slots, n_out, seg)  # a V-like head in combo, sigma-MoE up
     out = (torch.empty if own else torch.zeros)(n * n_out, width, dtype=acc, device=x.device)  # own: sorted rows
+    buf = _Buffers(blocks, max(d_in, width), x.device)
     for experts, b in blocks:
-        rows = x2.index_select(0, src[b])  # once for the segment's experts
-        y = None
+        m = b.stop - b.start
+        rows = _rows(x2, src[b], buf.get("rows", m, d_in, x.dtype))  # once for the segment's experts
+        y = out[b] if own else buf.get("y", m, width, acc)
         for j, e in enumerate(experts):
-            into = out[b] if own and y is None else None
+            g = None if gates is None else gates[b, j : j + 1]
             if gate_rows:  # the products add up inside the GEMMs
                 last = j == len(experts) - 1
-                gated = rows.mul_(gates[b, j : j + 1]) if last else rows * gates[b, j : j + 1]
-                y = _product(gated, weight[e], acc, into) if y is None else y.addmm_(gated, weight[e])
-                continue
-            t = _product(rows, weight[e], acc, into)
-            if gates is not None:
-                t.mul_(gates[b, j : j + 1])
-            y = t if y is None else y.add_(t)
+                gated = rows.mul_(g) if last else _mul(rows, g, buf.get("gated", m, d_in, acc))
+                y = _product(gated, weight[e], acc, y) if j == 0 else y.addmm_(gated, weight[e])
+            elif j == 0:
+                y = _product(rows, weight[e], acc, y)
+                if g is not None:
+                    y.mul_(g)
+            elif g is None and x.dtype == acc:
+                y.addmm_(rows, weight[e])
+            else:
+                t = _product(rows, weight[e], acc, buf.get("t", m, width, acc))
+                y.add_(t) if g is None else y.addcmul_(t, g)
         if not own:
             out.index_add_(0, dst[b], y)
     if own:
@@ -546,26 +590,32 @@ def _segments_backward(
     grad_w = torch.zeros(weight.shape[0], d_in, out_w, dtype=acc, device=x.device) if need_weight_grad else None
     need_gate_grad = need_gate_grad and gates is not None
     gate_grad_sorted = torch.empty(slot.shape, dtype=acc, device=x.device) if need_gate_grad else None
+    buf = _Buffers(blocks, max(in_w, out_w), x.device)
     for experts, b in blocks:
-        xs, gs = x2.index_select(0, src[b]), g2.index_select(0, dst[b])
-        gx = None
+        m = b.stop - b.start
+        xs = _rows(x2, src[b], buf.get("xs", m, d_in, x.dtype))
+        gs = _rows(g2, dst[b], buf.get("gs", m, out_w, x.dtype))
+        gx = grad_x[b] if own else buf.get("gx", m, in_w, acc)
         for j, e in enumerate(experts):
             # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u>
             # (= <x @ W, g>), so the forward is never recomputed: three GEMMs per expert, as for a linear layer.
-            u = _product(gs[:, :d_out], weight[e].t(), acc, grad_x[b] if own and gx is None else None)
+            u = _product(gs[:, :d_out], weight[e].t(), acc, gx if j == 0 else buf.get("u", m, in_w, acc))
+            gx = u if j == 0 else gx
             g = gates[b, j : j + 1] if gates is not None else None
-            if g is not None:
-                if need_gate_grad:
-                    gate_grad_sorted[b, j] = (u[:, :d_in] * xs.to(acc)).sum(-1)
-                u.mul_(g)
-            gx = u if gx is None else gx.add_(u)
+            if g is not None and need_gate_grad:
+                gate_grad_sorted[b, j] = _mul(u[:, :d_in], xs, buf.get("dot", m, d_in, acc)).sum(-1)
+            if j == 0:
+                if g is not None:
+                    gx.mul_(g)
+            else:
+                gx.add_(u) if g is None else gx.addcmul_(u, g)
             if not need_weight_grad:
                 continue
             xs_j, gs_j = xs, gs
             if g is not None and d_in < d_out:  # gate the narrower side of the weight-gradient product
-                xs_j = (xs.to(acc) * g).to(x.dtype)
+                xs_j = _mul(xs, g, buf.get("gated", m, d_in, acc)).to(x.dtype)
             elif g is not None:
-                gs_j = (gs.to(acc) * g).to(x.dtype)
+                gs_j = _mul(gs, g, buf.get("gated", m, out_w, acc)).to(x.dtype)
             if x.dtype == acc:
                 grad_w[e].addmm_(xs_j.t(), gs_j)
             else:
