@@ -203,6 +203,17 @@ def test_blocks_add_up(shape, dtype, regime, buffers, monkeypatch):
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), dtype)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[3], SHAPES[5], SHAPES[10], SHAPES[11]], ids=str)
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "copied"])
+def test_dense_weight_broadcast_or_copied(shape, broadcast, monkeypatch):
+    """The dense path multiplies every expert by a broadcast batched matmul (few rows) or by the weight copied
+    side by side into one GEMM (DENSE_BROADCAST_MAX_ROWS); both pick the same products."""
+    monkeypatch.setattr(torch_paths, "DENSE_BROADCAST_MAX_ROWS", 1 << 62 if broadcast else 0)
+    assert torch_paths._dense_expands_inputs(shape.n_in, shape.n_out)  # the shapes take that path
+    exact, cast = make(shape)
+    assert_matches(via_regime(shape, cast, "dense"), naive_all(shape, exact), torch.float32)
+
+
 # Widths that grouped and combo pad for their GEMMs (47 -> 48, 31 -> 32) and one too narrow to pad (19).
 PADDED_SHAPES = [
     Shape(40, 1, 6, 2, 10, 47, 31),  # V-like, k = 3

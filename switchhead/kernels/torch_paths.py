@@ -113,9 +113,13 @@ def this_cpu() -> str:
 # and by more: 47M V 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 /
 # 31.1-31.7 at N = 2048; 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
 COMBO_MIN_SEGMENTS_PER_SET = 200
-# Below this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
-# matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off.
-DENSE_BROADCAST_MAX_ROWS = 64
+# Up to this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
+# matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off. `python
+# benchmarks/kernels.py --threads 1 --n 96 128 192 256 384 --regimes dense --against REV` with REV broadcasting at
+# every size, two runs on an Intel Xeon VM: the copy took 1.04-1.22x the broadcast's forward time for 47M V at
+# N = 96, 1.13-1.42x for 262M V and 1.22-1.68x for sigma-MoE up up to 256 rows; from 512 rows it is 47M V's
+# better (0.90-0.94x); shapes that contract their inputs do not take this path (within 2 %). (Was 64.)
+DENSE_BROADCAST_MAX_ROWS = 256
 # grouped and combo work on blocks of segments with the same experts, of at most this many elements in their widest
 # operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Swept by
 # `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
