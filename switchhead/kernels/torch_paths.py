@@ -118,7 +118,7 @@ COMBO_MIN_SEGMENTS_PER_SET = 200
 # benchmarks/kernels.py --threads 1 --n 96 128 192 256 384 --regimes dense --against REV` with REV broadcasting at
 # every size, two runs on an Intel Xeon VM: the copy took 1.04-1.22x the broadcast's forward time for 47M V at
 # N = 96, 1.13-1.42x for 262M V and 1.22-1.68x for sigma-MoE up up to 256 rows; from 512 rows it is 47M V's
-# better (0.90-0.94x); shapes that contract their inputs do not take this path (within 2 %). (Was 64.)
+# better (0.90-0.94x). Shapes that contract their inputs (O-like) do not take this path. (Was 64.)
 DENSE_BROADCAST_MAX_ROWS = 256
 # grouped and combo work on blocks of segments with the same experts, of at most this many elements in their widest
 # operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Swept by
