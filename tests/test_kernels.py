@@ -936,7 +936,8 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     (BAG_MAX_PAIRS for a forward that runs as one embedding_bag), dense while its wasted MACs cost at most what
     grouped spends beside its GEMMs (per expert and per element of each pair's rows), combo from
     COMBO_MIN_SEGMENTS_PER_SET segments per expert set (BF16_COMBO_MIN_SEGMENTS_PER_SET in bf16 on a CPU with bf16
-    instructions), and never dense for the backward of inputs expanded to every expert."""
+    instructions; the forward from COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not picked), and never dense for
+    the backward of inputs expanded to every expert."""
     tp = torch_paths
     costs = tp.CPU_COSTS[cpu]
     choose = functools.partial(tp.choose_regime, costs=costs)
@@ -972,6 +973,18 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     for backward in (False, True):
         assert choose(n_combo, **v, backward=backward) == "combo"
         assert choose(n_combo - 1, **v, backward=backward) != "combo"
+    # ... and where grouped, not dense, is the alternative, the forward takes combo from
+    # COMBO_FORWARD_MIN_SEGMENTS_PER_SET (2 heads of 8 experts, k = 2: dense wastes 3x the useful MACs)
+    v8 = dict(n_in=1, slots=4, n_out=2, n_experts=16, d_in=256, d_out=256)
+    n_forward = tp.COMBO_FORWARD_MIN_SEGMENTS_PER_SET * math.comb(8, 2)
+    assert tp.COMBO_FORWARD_MIN_SEGMENTS_PER_SET < tp.COMBO_MIN_SEGMENTS_PER_SET  # the case tests what it says
+    assert choose(n_forward, **v8) == "combo"
+    assert choose(n_forward - 1, **v8) == "grouped"
+    assert choose(n_forward, **v8, backward=True) == "grouped"
+    assert choose(tp.COMBO_MIN_SEGMENTS_PER_SET * math.comb(8, 2), **v8, backward=True) == "combo"
+    o8 = dict(v8, n_in=2, n_out=1)  # the same for contracted inputs
+    assert choose(n_forward, **o8) == "combo"
+    assert choose(n_forward, **o8, backward=True) == "grouped"
     # bf16 on a CPU with bf16 instructions: combo from its own count (a backward wide enough not to stay dense)
     monkeypatch.setattr(tp, "native_half", lambda dtype: True)
     v_wide = dict(v, d_in=256, d_out=256)

@@ -113,6 +113,12 @@ def this_cpu() -> str:
 # and by more: 47M V 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 /
 # 31.1-31.7 at N = 2048; 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
 COMBO_MIN_SEGMENTS_PER_SET = 200
+# combo's forward pays from fewer segments than its backward where grouped is the alternative (not dense): `python
+# benchmarks/kernels.py --threads 1 --n 512 768 1024 1280 1536 1792 2048 --regimes grouped combo` on an Intel Xeon VM
+# (calls in shuffled order), combo / grouped forward: 262M V 0.95 at N = 512 (85 per set), 0.86-0.91 from 768; 262M O
+# 0.99 at 512, 0.89-0.95 from 768; 47M V and O 1.05 and 1.00 at N = 1024 (102 per set), 0.85-0.96 from 1280, where
+# the backward still wants COMBO_MIN_SEGMENTS_PER_SET (47M O: 1.06-1.85 up to N = 2048).
+COMBO_FORWARD_MIN_SEGMENTS_PER_SET = 100
 # Up to this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off. `python
 # benchmarks/kernels.py --threads 1 --n 96 128 192 256 384 --regimes dense --against REV` with REV broadcasting at
@@ -197,7 +203,10 @@ def choose_regime(
         return "grouped"
     costs = costs or CPU_COSTS[this_cpu()]
     moved = costs.per_element[backward] * n * slots * (d_in + d_out)
-    return "dense" if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[backward] else "grouped"
+    if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[backward]:
+        return "dense"
+    forward_combo = not backward and _combo_pays(n, n_in, slots, n_out, n_experts, COMBO_FORWARD_MIN_SEGMENTS_PER_SET)
+    return "combo" if forward_combo else "grouped"
 
 
 # On CUDA the Triton kernels run every call, except the forward of shapes that contract their inputs (I > R, the
