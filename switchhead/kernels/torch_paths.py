@@ -189,7 +189,8 @@ def choose_regime(
     useful_macs = n * slots * d_in * d_out
     native_bf16 = dtype == torch.bfloat16 and native_half(torch.bfloat16)
     min_per_set = BF16_COMBO_MIN_SEGMENTS_PER_SET if native_bf16 else COMBO_MIN_SEGMENTS_PER_SET
-    blocked = "combo" if _combo_pays(n, n_in, slots, n_out, n_experts, min_per_set) else "grouped"
+    per_set = _segments_per_set(n, n_in, slots, n_out, n_experts)
+    blocked = "combo" if per_set >= min_per_set else "grouped"
     if native_bf16:
         # dense is weighed first here: O-like forwards stay dense even where combo would pay
         extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if _dense_expands_inputs(n_in, n_out) else "contract"]
@@ -205,8 +206,7 @@ def choose_regime(
     moved = costs.per_element[backward] * n * slots * (d_in + d_out)
     if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[backward]:
         return "dense"
-    forward_combo = not backward and _combo_pays(n, n_in, slots, n_out, n_experts, COMBO_FORWARD_MIN_SEGMENTS_PER_SET)
-    return "combo" if forward_combo else "grouped"
+    return "combo" if not backward and per_set >= COMBO_FORWARD_MIN_SEGMENTS_PER_SET else "grouped"
 
 
 # On CUDA the Triton kernels run every call, except the forward of shapes that contract their inputs (I > R, the
@@ -234,11 +234,12 @@ def cuda_prefers_dense(
     return dense_macs < slots * d_out * CUDA_ATOMIC_MACS
 
 
-def _combo_pays(n: int, n_in: int, slots: int, n_out: int, n_experts: int, min_per_set: int) -> bool:
-    """Segments of several slots, and every expert set a head can choose expected to hold `min_per_set` of them."""
+def _segments_per_set(n: int, n_in: int, slots: int, n_out: int, n_experts: int) -> float:
+    """How many segments each expert set a head can choose is expected to hold (0 for one-slot segments, which
+    combo cannot group)."""
     seg = segment_length(slots, n_in, n_out)
     sets = math.comb(max(seg, round(n_experts * seg / slots)), seg)
-    return seg > 1 and n >= min_per_set * sets
+    return n / sets if seg > 1 else 0.0
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -532,10 +533,9 @@ class _Buffers:
         """An [m, width] view of the buffer called `name` (made at the first call), or None: allocate as you go."""
         if not self.on:
             return None
-        t = self.made.get(name)
-        if t is None or t.shape[1] != width or t.dtype != dtype:
-            t = self.made[name] = torch.empty(self.rows, width, dtype=dtype, device=self.device)
-        return t[:m]
+        if name not in self.made:  # each name keeps one width and dtype for the whole call
+            self.made[name] = torch.empty(self.rows, width, dtype=dtype, device=self.device)
+        return self.made[name][:m]
 
 
 # Written into the buffer where there is one (`_Buffers`); without one, the plain calls: with out=None these cost a few
@@ -616,7 +616,8 @@ def _segments_backward(
             # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u>
             # (= <x @ W, g>), so the forward is never recomputed: three GEMMs per expert, as for a linear layer.
             u = _product(gs[:, :d_out], weight[e].t(), acc, gx if j == 0 else buf.get("u", m, in_w, acc))
-            gx = u if j == 0 else gx
+            if j == 0:
+                gx = u  # gx itself where there was a buffer
             g = gates[b, j : j + 1] if gates is not None else None
             if g is not None and need_gate_grad:
                 gate_grad_sorted[b, j] = _mul(u[:, :d_in], xs, buf.get("dot", m, d_in, acc)).sum(-1)
