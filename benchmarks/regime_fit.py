@@ -3,12 +3,15 @@
     python benchmarks/kernels.py --threads 1 --n 16 32 64 128 256 512 1024 2048 --regimes dense grouped > a.md
     python benchmarks/regime_fit.py a.md b.md ...          # each CPU_COSTS kind, per table and over all of them
     python benchmarks/regime_fit.py a.md b.md ... --grid   # and the grid's best constants over all the tables
+    python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 --regimes gather dense > g.md
+    python benchmarks/regime_fit.py --bag g.md ...          # the embedding_bag's threshold (BAG_MAX_PAIRS)
 
 Reads the markdown rows of `--regimes dense grouped` tables (any table with the columns `case`, `N`, `dense fwd`,
 `dense bwd`, `grouped fwd`, `grouped bwd` and the cases of `benchmarks/kernels.py`). Each cell is scored by the time
 of the regime the rule picks over the better of the two; cells where the rule picks neither (combo, gather) and the
 backward of V-like shapes (always grouped) do not count. Printed: the geometric mean of that ratio and the worst cell,
-forward and backward.
+forward and backward. With --bag, `--regimes gather dense` tables instead: each forward cell scored with the gather
+(one embedding_bag) picked up to a number of (token, slot) pairs and dense above it, for several such numbers.
 """
 
 from __future__ import annotations
@@ -23,22 +26,34 @@ from switchhead.kernels import torch_paths
 from switchhead.kernels.torch_paths import CpuCosts
 
 COLUMNS = ("dense fwd", "dense bwd", "grouped fwd", "grouped bwd")
-Cell = tuple[Case, int, bool, float, float]  # case, N, backward, dense ms, grouped ms
+BAG_COLUMNS = ("gather fwd", "dense fwd")
+BAG_PAIRS = (4, 6, 8, 12, 16, 24, 32, 48, 64)  # thresholds --bag scores
+Cell = tuple[Case, int, bool, float, float]  # case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms)
 
 
-def read_cells(text: str) -> list[Cell]:
+def read_cells(text: str, bag: bool = False) -> list[Cell]:
+    """The cells of every table with the regimes' columns (--bag: the gather's and dense's forward only)."""
+    columns = BAG_COLUMNS if bag else COLUMNS
     by_name = {c.name: c for c in CASES}
     cells: list[Cell] = []
     header: list[str] | None = None
     for line in text.splitlines():
         cols = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| case |"):
-            header = cols if all(c in cols for c in COLUMNS) else None
+            header = cols if all(c in cols for c in columns) else None
         elif header and line.startswith("|") and cols[0] in by_name:
             row = dict(zip(header, cols))
-            for backward, (d, g) in ((False, COLUMNS[0::2]), (True, COLUMNS[1::2])):
-                cells.append((by_name[cols[0]], int(row["N"]), backward, float(row[d]), float(row[g])))
+            pairs = [(False, columns)] if bag else [(False, COLUMNS[0::2]), (True, COLUMNS[1::2])]
+            for backward, (a, b) in pairs:
+                cells.append((by_name[cols[0]], int(row["N"]), backward, float(row[a]), float(row[b])))
     return cells
+
+
+def _summary(scored: list[tuple[float, str]]) -> tuple[float, float, str, int]:
+    """Geometric mean of the ratios, the worst one, its cell, and how many."""
+    worst, where = max(scored, default=(1.0, "-"))
+    mean = math.exp(sum(math.log(r) for r, _ in scored) / len(scored)) if scored else 1.0
+    return mean, max(worst, 1.0), where if worst > 1.0 else "-", len(scored)
 
 
 def _pick(cell: Cell, costs: CpuCosts) -> str:
@@ -49,19 +64,24 @@ def _pick(cell: Cell, costs: CpuCosts) -> str:
 
 def score(cells: list[Cell], costs: CpuCosts, backward: bool) -> tuple[float, float, str, int]:
     """Geometric mean of picked / best time, the worst ratio, its cell, and the number of cells scored."""
-    logs, worst, where = [], 1.0, "-"
+    scored = []
     for cell in cells:
         case, n, bwd, dense, grouped = cell
         if bwd != backward or (bwd and case.n_in <= case.n_out):
             continue
         pick = _pick(cell, costs)
-        if pick not in ("dense", "grouped"):
-            continue
-        ratio = (dense if pick == "dense" else grouped) / min(dense, grouped)
-        logs.append(math.log(ratio))
-        if ratio > worst:
-            worst, where = ratio, f"{case.name} N={n}"
-    return (math.exp(sum(logs) / len(logs)) if logs else 1.0), worst, where, len(logs)
+        if pick in ("dense", "grouped"):
+            scored.append(((dense if pick == "dense" else grouped) / min(dense, grouped), f"{case.name} N={n}"))
+    return _summary(scored)
+
+
+def score_bag(cells: list[Cell], max_pairs: int) -> tuple[float, float, str, int]:
+    """The same for the gather (embedding_bag) forward picked up to `max_pairs` (token, slot) pairs, dense above."""
+    scored = []
+    for case, n, _, gather, dense in cells:
+        pick = gather if n * case.slots <= max_pairs else dense
+        scored.append((pick / min(gather, dense), f"{case.name} N={n}"))
+    return _summary(scored)
 
 
 def _row(label: str, cells: list[Cell], costs: CpuCosts) -> str:
@@ -87,14 +107,21 @@ def main() -> None:
     parser.add_argument("tables", nargs="+", help="files with `benchmarks/kernels.py --regimes dense grouped` output")
     parser.add_argument("--grid", action="store_true", help="also search the constants that fit the tables best")
     parser.add_argument("--top", type=int, default=8, help="with --grid: how many of the best to show")
+    parser.add_argument("--bag", action="store_true", help="score the embedding_bag's threshold on gather/dense tables")
     args = parser.parse_args()
     tables = {}
     for path in args.tables:
         with open(path) as f:
-            tables[path] = read_cells(f.read())
+            tables[path] = read_cells(f.read(), args.bag)
         if not tables[path]:
-            sys.exit(f"regime_fit.py: no dense/grouped rows in {path}")
+            sys.exit(f"regime_fit.py: no {'gather/dense' if args.bag else 'dense/grouped'} rows in {path}")
     every = [cell for cells in tables.values() for cell in cells]
+    if args.bag:
+        print(f"\n| pairs | forward over all tables (BAG_MAX_PAIRS = {torch_paths.BAG_MAX_PAIRS}) |\n|---|---|")
+        for pairs in BAG_PAIRS:
+            mean, worst, where, count = score_bag(every, pairs)
+            print(f"| {pairs} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
+        return
     for kind, costs in torch_paths.CPU_COSTS.items():
         print(f"\n## {kind}: {costs}\n\n| table | forward | backward (I > R) |\n|---|---|---|")
         for path, cells in tables.items():

@@ -1029,7 +1029,8 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
 
 def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     """`benchmarks/regime_fit.py`: every dense/grouped cell of a `--regimes` table scored by the time of the regime
-    the rule picks over the better one's; combo cells, other tables and V-like backwards left out."""
+    the rule picks over the better one's; combo cells, other tables and V-like backwards left out. With --bag, the
+    gather/dense forward cells scored for a threshold in (token, slot) pairs."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     names = ("regime_fit", "kernels")
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
@@ -1066,6 +1067,11 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     mean, worst, where, count = regime_fit.score(cells, intel, backward=False)
     assert (count, worst, where) == (3, 1.5, "47M O N=512") and mean == pytest.approx(1.5 ** (1 / 3))
     assert regime_fit.score(cells, intel, backward=True) == (1.0, 1.0, "-", 2)
+    # --bag: the gather/dense table's forward cells, the gather picked up to a number of pairs (47M O: S = 6)
+    bag_cells = regime_fit.read_cells(table, bag=True)
+    assert [(c[0].name, c[1], c[3], c[4]) for c in bag_cells] == [("47M O", 16, 9.0, 1.0)]
+    assert regime_fit.score_bag(bag_cells, 16 * 6) == (pytest.approx(9.0), 9.0, "47M O N=16", 1)
+    assert regime_fit.score_bag(bag_cells, 16 * 6 - 1) == (1.0, 1.0, "-", 1)
 
 
 def test_cuda_prefers_dense_follows_its_documented_rule():

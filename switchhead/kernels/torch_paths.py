@@ -46,11 +46,11 @@ Grads = tuple[Tensor, Tensor, Tensor]
 GATHER_MAX_PAIRS = 8
 # The forward's gather as one embedding_bag (`_bag_forward`: CPU, fp32/fp64) stays ahead of dense for more pairs:
 # `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense`, three runs on an Intel Xeon VM
-# with the calls in shuffled order (docs/BENCHMARKS.md, "The embedding_bag's threshold in shuffled order"): the
-# crossover lies between 6 pairs (47M O) and 32 (sigma-MoE up); up to 16 pairs the bag loses 1.009x the better
-# regime's time in the geometric mean (worst 1.25x, 47M O at N = 2), up to 64 (the count read off tables timed in a
-# fixed order, which flattered the bag: there dense's forward always ran right after the gather's backward)
-# 1.21x (worst 3.1x, 262M O at N = 8).
+# with the calls in shuffled order, scored by `python benchmarks/regime_fit.py --bag` (docs/BENCHMARKS.md, "The
+# embedding_bag's threshold in shuffled order"): the crossover lies between 6 pairs (47M O) and 32 (sigma-MoE up);
+# up to 16 pairs the bag loses 1.008x the better regime's time in the geometric mean (worst 1.25x, 47M O at N = 2),
+# up to 64 (the count read off tables timed in a fixed order, which flattered the bag: there dense's forward always
+# ran right after the gather's backward) 1.199x (worst 3.14x, 262M O at N = 8).
 BAG_MAX_PAIRS = 16
 
 
