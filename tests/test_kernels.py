@@ -68,6 +68,7 @@ SHAPES = [
     Shape(33, 2, 8, 4, 2, 11, 13, routing="one_expert"),  # I=G, R=S/2
     Shape(29, 1, 6, 2, 7, 14, 11, gated=False),  # segments of 3 slots without gates
     Shape(23, 2, 6, 3, 5, 9, 7),  # rows shared by 3 slots on the input side, 2 on the output side
+    Shape(27, 4, 8, 2, 5, 10, 14),  # I > R > 1: four input rows contracted onto two output rows
 ]
 REGIMES = ["gather", "dense", "grouped", "combo"]
 

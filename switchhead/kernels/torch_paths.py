@@ -416,10 +416,13 @@ def dense_backward(
     grad_x = torch.bmm(c.transpose(1, 2), grad_z)
     grad_gate = no_gate_grad
     if gate is not None and need_gate_grad:
+        # Each slot's row of grad_z taken with one index_select over the flattened rows (gather along dim 1 is
+        # the generic indexing kernel, several times slower); a head's slots read the same input row and lie
+        # side by side, so one small bmm per (token, input row) dots them with it, without copying x's rows.
         sel = _slot_rows(slots, n_out, x.device) * n_experts + index
-        gz = grad_z.gather(1, sel.unsqueeze(-1).expand(n, slots, d_in)).to(acc)
-        xs = x.to(acc).index_select(1, in_rows)
-        grad_gate = (gz * xs).sum(-1).to(gate.dtype)
+        pick = (torch.arange(n, device=x.device).unsqueeze(1) * (n_out * n_experts) + sel).view(-1)
+        gz = grad_z.reshape(-1, d_in).index_select(0, pick).to(acc).view(n * n_in, slots // n_in, d_in)
+        grad_gate = torch.bmm(gz, x.to(acc).reshape(n * n_in, d_in, 1)).view(n, slots).to(gate.dtype)
     return grad_x, grad_w, grad_gate
 
 
