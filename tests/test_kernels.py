@@ -935,10 +935,11 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
     pinned to torch_paths' constants in fp32, for each kind of CPU: gather up to GATHER_MAX_PAIRS pairs
     (BAG_MAX_PAIRS for a forward that runs as one embedding_bag), dense while its wasted MACs cost at most what
-    grouped spends beside its GEMMs (per expert and per element of each pair's rows), combo from
-    COMBO_MIN_SEGMENTS_PER_SET segments per expert set (BF16_COMBO_MIN_SEGMENTS_PER_SET in bf16 on a CPU with bf16
-    instructions; the forward from COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not picked), and never dense for
-    the backward of inputs expanded to every expert."""
+    grouped spends beside its GEMMs (per expert and per element of each pair's rows), combo's forward from
+    COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not
+    picked), its backward once a set fills COMBO_BACKWARD_BLOCK_SHARE of a block (BF16_COMBO_MIN_SEGMENTS_PER_SET
+    for both in bf16 on a CPU with bf16 instructions), and never dense for the backward of inputs expanded to every
+    expert."""
     tp = torch_paths
     costs = tp.CPU_COSTS[cpu]
     choose = functools.partial(tp.choose_regime, costs=costs)
@@ -971,9 +972,21 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     # SwitchHead V (2 heads of 4 experts, k = 3): segments of 3 slots, C(4, 3) expert sets per head
     v = dict(n_in=1, slots=6, n_out=2, n_experts=8, d_in=20, d_out=12)
     n_combo = tp.COMBO_MIN_SEGMENTS_PER_SET * math.comb(4, 3)
-    for backward in (False, True):
-        assert choose(n_combo, **v, backward=backward) == "combo"
-        assert choose(n_combo - 1, **v, backward=backward) != "combo"
+    assert choose(n_combo, **v) == "combo"
+    assert choose(n_combo - 1, **v) != "combo"
+
+    def n_backward(shape: dict, sets: int) -> int:  # the first N whose backward runs combo
+        return math.ceil(tp.COMBO_BACKWARD_BLOCK_SHARE * tp.block_rows(shape["d_in"], shape["d_out"]) * sets)
+
+    assert tp.block_rows(20, 12) == tp.GROUPED_BLOCK_ELEMENTS // 20
+    assert choose(n_backward(v, 4), **v, backward=True) == "combo"
+    assert choose(n_backward(v, 4) - 1, **v, backward=True) == "grouped"
+    # the backward's threshold follows the rows' width: 262M V and O (4 heads of 4 experts, k = 2) from N = 538
+    v262 = dict(n_in=1, slots=8, n_out=4, n_experts=16, d_in=1024, d_out=112)
+    assert n_backward(v262, math.comb(4, 2)) == 538
+    for shape in (v262, dict(v262, n_in=4, n_out=1, d_in=112, d_out=1024)):
+        assert choose(538, **shape, backward=True) == "combo"
+        assert choose(537, **shape, backward=True) != "combo"
     # ... and where grouped, not dense, is the alternative, the forward takes combo from
     # COMBO_FORWARD_MIN_SEGMENTS_PER_SET (2 heads of 8 experts, k = 2: dense wastes 3x the useful MACs)
     v8 = dict(n_in=1, slots=4, n_out=2, n_experts=16, d_in=256, d_out=256)
@@ -982,7 +995,8 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     assert choose(n_forward, **v8) == "combo"
     assert choose(n_forward - 1, **v8) == "grouped"
     assert choose(n_forward, **v8, backward=True) == "grouped"
-    assert choose(tp.COMBO_MIN_SEGMENTS_PER_SET * math.comb(8, 2), **v8, backward=True) == "combo"
+    assert n_backward(v8, math.comb(8, 2)) > n_forward  # the case tests what it says
+    assert choose(n_backward(v8, math.comb(8, 2)), **v8, backward=True) == "combo"
     o8 = dict(v8, n_in=2, n_out=1)  # the same for contracted inputs
     assert choose(n_forward, **o8) == "combo"
     assert choose(n_forward, **o8, backward=True) == "grouped"

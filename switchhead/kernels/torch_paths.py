@@ -104,21 +104,30 @@ def this_cpu() -> str:
     return cpu_kind(_cpu_vendor(), torch.backends.cpu.get_cpu_capability())
 
 
-# combo instead of grouped when each expert set is expected to have at least this many segments: tokens /
-# C(experts per head, k). `python benchmarks/kernels.py --threads 1 --n 512 2048 4096 8192 --regimes grouped
-# combo`, grouped vs combo forward / backward ms, on an AMD EPYC VM: 47M O (10 sets) 22.6 / 45.3 vs 20.1 / 42.5 at
-# N = 4096 (410 per set), 11.1 / 22.6 vs 10.5 / 22.0 at N = 2048 (205 per set), 2.8 / 5.9 vs 3.4 / 7.0 at N = 512;
+# The forward (fp32) runs combo ahead of every other regime when each expert set is expected to have at least this many
+# segments: tokens / C(experts per head, k). `python benchmarks/kernels.py --threads 1 --n 512 2048 4096 8192 --regimes
+# grouped combo`, grouped vs combo forward / backward ms, on an AMD EPYC VM: 47M O (10 sets) 22.6 / 45.3 vs 20.1 / 42.5
+# at N = 4096 (410 per set), 11.1 / 22.6 vs 10.5 / 22.0 at N = 2048 (205 per set), 2.8 / 5.9 vs 3.4 / 7.0 at N = 512;
 # 262M O (6 sets) 47.7 / 94.9 vs 46.4 / 94.1 at N = 2048 (341 per set), 12.5 / 25.4 vs 12.5 / 24.9 at N = 512. On an
-# Intel Xeon VM (`--n 32 64 128 256 512 1024 2048 4096 --regimes dense grouped combo`, two runs) combo pays earlier
-# and by more: 47M V 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 /
-# 31.1-31.7 at N = 2048; 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
+# Intel Xeon VM (`--n 32 64 128 256 512 1024 2048 4096 --regimes dense grouped combo`, two runs) combo pays earlier and
+# by more: 47M V 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 / 31.1-31.7
+# at N = 2048; 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
 COMBO_MIN_SEGMENTS_PER_SET = 200
 # combo's forward pays from fewer segments than its backward where grouped is the alternative (not dense): `python
 # benchmarks/kernels.py --threads 1 --n 512 768 1024 1280 1536 1792 2048 --regimes grouped combo` on an Intel Xeon VM
 # (calls in shuffled order), combo / grouped forward: 262M V 0.95 at N = 512 (85 per set), 0.86-0.91 from 768; 262M O
 # 0.99 at 512, 0.89-0.95 from 768; 47M V and O 1.05 and 1.00 at N = 1024 (102 per set), 0.85-0.96 from 1280, where
-# the backward still wants COMBO_MIN_SEGMENTS_PER_SET (47M O: 1.06-1.85 up to N = 2048).
+# the backward still wants more (47M O: 1.06-1.85 up to N = 2048).
 COMBO_FORWARD_MIN_SEGMENTS_PER_SET = 100
+# combo's backward (fp32) pays once a set's segments fill this share of one of grouped's blocks (`block_rows`): its
+# GEMMs (two per expert of the set) are that much thinner than grouped's, the price of gathering and adding each head's
+# rows once. `python benchmarks/kernels.py --threads 1 --n 384 512 ... 3072 --regimes grouped combo --case ...` on an
+# Intel Xeon VM, the model shapes and the same sizes with k = 3 of 4 and k = 2 of 5 experts per head, combo / grouped
+# backward crosses 1 between 0.32 and 0.36 of a block for all six: 262M (256-row blocks) 0.94-1.13 at 85 segments per
+# set (O-like 1.11-1.13), 0.92-0.97 at 96, 0.83-0.95 at 96-192 with k = 3; 47M (636-row blocks) 0.97-1.05 at 179 per
+# set, 0.96-1.01 at 205, 0.93 at 230 and 0.88-0.94 at 256. The backward used to share the forward's 200 segments per
+# set: too many for 262M's wider rows (was grouped to N = 1,200, now combo from 538).
+COMBO_BACKWARD_BLOCK_SHARE = 0.35
 # Up to this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
 # matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off. `python
 # benchmarks/kernels.py --threads 1 --n 96 128 192 256 384 --regimes dense --against REV` with REV broadcasting at
@@ -131,6 +140,12 @@ DENSE_BROADCAST_MAX_ROWS = 256
 # `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
 # the fastest or within 3 % of it in every case, while each other size was ~20 % behind somewhere.
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
+
+
+def block_rows(d_in: int, d_out: int) -> int:
+    """Segments in one of grouped's (or combo's) blocks at most."""
+    return max(1, GROUPED_BLOCK_ELEMENTS // max(d_in, d_out))
+
 # The GEMMs of grouped and combo write rows narrower than GEMM_PAD_MAX_WIDTH padded to a multiple of GEMM_ALIGN
 # elements (zero-padded weight and gradient, sliced at the end) where that adds at most 1/16 to the width and the
 # experts have enough pairs to repay copying the weight. `python benchmarks/kernels.py --threads 1 --n 256 1024 4096
@@ -188,7 +203,12 @@ def choose_regime(
     waste = n_experts * min(n_in, n_out) / slots
     useful_macs = n * slots * d_in * d_out
     native_bf16 = dtype == torch.bfloat16 and native_half(torch.bfloat16)
-    min_per_set = BF16_COMBO_MIN_SEGMENTS_PER_SET if native_bf16 else COMBO_MIN_SEGMENTS_PER_SET
+    if native_bf16:
+        min_per_set = BF16_COMBO_MIN_SEGMENTS_PER_SET
+    elif backward:
+        min_per_set = COMBO_BACKWARD_BLOCK_SHARE * block_rows(d_in, d_out)
+    else:
+        min_per_set = COMBO_MIN_SEGMENTS_PER_SET
     per_set = _segments_per_set(n, n_in, slots, n_out, n_experts)
     blocked = "combo" if per_set >= min_per_set else "grouped"
     if native_bf16:
@@ -467,7 +487,7 @@ def _plan(index: Tensor, gate: Tensor | None, weight: Tensor, n_in: int, n_out: 
             _, group = torch.unique(experts, dim=0, return_inverse=True)
     order = torch.argsort(group, stable=True)  # stable: the weight gradient adds up in a fixed order
     slot = order.unsqueeze(1) if within is None else order.unsqueeze(1) * seg + within.index_select(0, order)
-    rows = max(1, GROUPED_BLOCK_ELEMENTS // max(weight.shape[1:]))
+    rows = block_rows(*weight.shape[1:])
     # Each group's experts read off its first segment, for all groups in one tolist() rather than one per group.
     starts = list(itertools.accumulate(torch.bincount(group).tolist(), initial=0))
     used = [g for g in range(len(starts) - 1) if starts[g + 1] > starts[g]]
