@@ -358,40 +358,55 @@ def _dense_expands_inputs(n_in: int, n_out: int) -> bool:
     return n_in <= n_out
 
 
+def _gate_matrix(index: Tensor, gate: Tensor | None, pos: Tensor, cells: int, dtype) -> Tensor:
+    """[N, cells]: each slot's gate (1 without gates) added at its position in `pos` ([N, S])."""
+    n, slots = index.shape
+    val = gate.to(dtype) if gate is not None else torch.ones(n, slots, dtype=dtype, device=index.device)
+    return torch.zeros(n, cells, dtype=dtype, device=index.device).scatter_add_(1, pos, val)
+
+
 def _coefficients(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype) -> Tensor:
-    """C[n, r, e, i] = sum of the gates of the slots that read row i through expert e into output row r."""
+    """C[n, r * E + e, i] = sum of the gates of the slots that read row i through expert e into output row r."""
     n, slots = index.shape
     r = _slot_rows(slots, n_out, index.device)
     i = _slot_rows(slots, n_in, index.device)
-    pos = (r * n_experts + index) * n_in + i
-    val = gate.to(dtype) if gate is not None else torch.ones(n, slots, dtype=dtype, device=index.device)
-    c = torch.zeros(n, n_out * n_experts * n_in, dtype=dtype, device=index.device)
-    return c.scatter_add_(1, pos, val).view(n, n_out * n_experts, n_in)
+    c = _gate_matrix(index, gate, (r * n_experts + index) * n_in + i, n_out * n_experts * n_in, dtype)
+    return c.view(n, n_out * n_experts, n_in)
 
 
-def _all_experts(x: Tensor, weight: Tensor, index: Tensor) -> Tensor:
-    """[N, S, D_out]: every expert applied to every input row, then each slot's (row, expert) picked."""
+def _expert_rows(index: Tensor, n_in: int, n_experts: int) -> Tensor:
+    """[N, S]: the row i * E + e of a token's `_all_experts` that each slot reads (input row i, expert e)."""
+    return _slot_rows(index.shape[1], n_in, index.device) * n_experts + index
+
+
+def _all_experts(x: Tensor, weight: Tensor) -> Tensor:
+    """[N, I*E, D_out]: every expert applied to every input row, row i * E + e of a token for row i and expert e."""
     n, n_in, d_in = x.shape
     n_experts, _, d_out = weight.shape
-    slots = index.shape[1]
-    rows = torch.arange(n, device=x.device).unsqueeze(1) * n_in + _slot_rows(slots, n_in, x.device)
     if n * n_in <= DENSE_BROADCAST_MAX_ROWS:
         # detached: for inputs that require grad, matmul takes a 2-3x slower broadcast route (262M V, N = 16)
         y_all = torch.matmul(x.reshape(1, n * n_in, d_in).detach(), weight.detach())  # [E, N*I, D_out]
-        pick = index * (n * n_in) + rows
-    else:
-        w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
-        y_all = x.reshape(n * n_in, d_in) @ w_cat  # [N*I, E*D_out]
-        pick = rows * n_experts + index
-    return y_all.reshape(-1, d_out).index_select(0, pick.reshape(-1)).view(n, slots, d_out)
+        return y_all.view(n_experts, n, n_in, d_out).permute(1, 2, 0, 3).reshape(n, n_in * n_experts, d_out)
+    w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
+    return (x.reshape(n * n_in, d_in) @ w_cat).view(n, n_in * n_experts, d_out)
+
+
+def _output_gates(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype) -> Tensor:
+    """[N, R, I*E]: the gates that carry each row of `_all_experts` into each output row (summed where slots meet)."""
+    n, slots = index.shape
+    pos = _slot_rows(slots, n_out, index.device) * (n_in * n_experts) + _expert_rows(index, n_in, n_experts)
+    return _gate_matrix(index, gate, pos, n_out * n_in * n_experts, dtype).view(n, n_out, n_in * n_experts)
 
 
 def dense_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     n, n_in, d_in = x.shape
     n_experts, _, d_out = weight.shape
     if _dense_expands_inputs(n_in, n_out):
-        y = _all_experts(x, weight, index).to(_acc_dtype(x))
-        return _reduce_slots(_gated(y, gate), n_out).to(x.dtype)
+        # The slots' rows picked, gated and summed per output row as one small bmm per token with the gates spread
+        # over [R, I*E]: one pass over the products instead of a copy of S rows, a multiply and a sum.
+        acc = _acc_dtype(x)
+        c = _output_gates(index, gate, n_in, n_out, n_experts, acc)
+        return torch.bmm(c, _all_experts(x, weight).to(acc)).to(x.dtype)
     c = _coefficients(index, gate, n_in, n_out, n_experts, x.dtype)
     z = torch.bmm(c, x) if n_in > 1 else c * x  # [N, R*E, D_in]: gated inputs per (output row, expert)
     out = z.view(n * n_out, n_experts * d_in) @ weight.reshape(n_experts * d_in, d_out)
@@ -407,18 +422,18 @@ def dense_backward(
     n_out = grad.shape[1]
     slots = index.shape[1]
     acc = _acc_dtype(x)
-    in_rows = _slot_rows(slots, n_in, x.device)
     no_gate_grad = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if _dense_expands_inputs(n_in, n_out):
         w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
-        sel = in_rows * n_experts + index
-        gs = _per_slot(grad.to(acc), slots)  # [N, S, D_out]
+        g = grad.to(acc)
         grad_gate = no_gate_grad
         if gate is not None and need_gate_grad:
-            grad_gate = (_all_experts(x, weight, index).to(acc) * gs).sum(-1).to(gate.dtype)
-        grad_y = torch.zeros(n, n_in * n_experts, d_out, dtype=acc, device=x.device)
-        grad_y.scatter_add_(1, sel.unsqueeze(-1).expand(n, slots, d_out), _gated(gs, gate))
-        grad_y = grad_y.view(n * n_in, n_experts * d_out).to(x.dtype)
+            # every row of `_all_experts` dotted with every output row's gradient, then the slots' dots picked
+            dots = torch.bmm(_all_experts(x, weight).to(acc), g.transpose(1, 2))  # [N, I*E, R]
+            pick = _expert_rows(index, n_in, n_experts) * n_out + _slot_rows(slots, n_out, x.device)
+            grad_gate = dots.view(n, n_in * n_experts * n_out).gather(1, pick).to(gate.dtype)
+        c = _output_gates(index, gate, n_in, n_out, n_experts, acc)
+        grad_y = torch.bmm(c.transpose(1, 2), g).view(n * n_in, n_experts * d_out).to(x.dtype)
         grad_x = (grad_y @ w_cat.t()).view_as(x)
         grad_w = weight.new_empty(0)
         if need_weight_grad:
