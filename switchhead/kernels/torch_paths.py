@@ -140,12 +140,6 @@ DENSE_BROADCAST_MAX_ROWS = 256
 # `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
 # the fastest or within 3 % of it in every case, while each other size was ~20 % behind somewhere.
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
-
-
-def block_rows(d_in: int, d_out: int) -> int:
-    """Segments in one of grouped's (or combo's) blocks at most."""
-    return max(1, GROUPED_BLOCK_ELEMENTS // max(d_in, d_out))
-
 # The GEMMs of grouped and combo write rows narrower than GEMM_PAD_MAX_WIDTH padded to a multiple of GEMM_ALIGN
 # elements (zero-padded weight and gradient, sliced at the end) where that adds at most 1/16 to the width and the
 # experts have enough pairs to repay copying the weight. `python benchmarks/kernels.py --threads 1 --n 256 1024 4096
@@ -252,6 +246,11 @@ def cuda_prefers_dense(
         return False
     dense_macs = n_out * n_experts * d_in * d_out + CUDA_DENSE_OVERHEAD_MACS
     return dense_macs < slots * d_out * CUDA_ATOMIC_MACS
+
+
+def block_rows(d_in: int, d_out: int) -> int:
+    """Segments in one of grouped's (or combo's) blocks at most."""
+    return max(1, GROUPED_BLOCK_ELEMENTS // max(d_in, d_out))
 
 
 def _segments_per_set(n: int, n_in: int, slots: int, n_out: int, n_experts: int) -> float:
