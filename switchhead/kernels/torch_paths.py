@@ -77,9 +77,9 @@ CPU_COSTS = {
     # geometric mean 1.003-1.009x the better regime's time forward, 1.002-1.003x backward; the most in one cell
     # 1.25x, 262M O forward at N = 64: the model gives 262M V and O one crossover, measured at 64-96 and ~30).
     # Crossovers: 47M beyond N = 2000, where combo takes over (the backward at 2226; 47M O at N = 1024: dense 6.56 vs
-    # 8.52 ms forward, 15.49 vs 15.29 ms backward); 262M and sigma-MoE forward at N ~ 70 (262M V 2.76 vs 3.54 ms at N =
-    # 64, 6.38 vs 4.96 at 128), their O-like backward at N ~ 270 and 165 (262M O 10.87 vs 13.81 ms at N = 128; sigma-MoE
-    # down 5.09 vs 6.12 at 128, 9.59 vs 7.30 at 256).
+    # 8.52 ms forward, 15.49 vs 15.29 ms backward); 262M and sigma-MoE forward at N ~ 70 (262M V 2.76 vs 3.54 ms at
+    # N = 64, 6.38 vs 4.96 at 128), their O-like backward at N ~ 270 and 165 (262M O 10.87 vs 13.81 ms at N = 128;
+    # sigma-MoE down 5.09 vs 6.12 at 128, 9.59 vs 7.30 at 256).
     "intel-avx512": CpuCosts(per_expert=(2.5e6, 5e6), per_element=(40.0, 68.0)),
 }
 
