@@ -357,11 +357,10 @@ def _dense_expands_inputs(n_in: int, n_out: int) -> bool:
     return n_in <= n_out
 
 
-def _gate_matrix(index: Tensor, gate: Tensor | None, pos: Tensor, cells: int, dtype) -> Tensor:
+def _gate_matrix(gate: Tensor | None, pos: Tensor, cells: int, dtype) -> Tensor:
     """[N, cells]: each slot's gate (1 without gates) added at its position in `pos` ([N, S])."""
-    n, slots = index.shape
-    val = gate.to(dtype) if gate is not None else torch.ones(n, slots, dtype=dtype, device=index.device)
-    return torch.zeros(n, cells, dtype=dtype, device=index.device).scatter_add_(1, pos, val)
+    val = gate.to(dtype) if gate is not None else torch.ones(pos.shape, dtype=dtype, device=pos.device)
+    return torch.zeros(pos.shape[0], cells, dtype=dtype, device=pos.device).scatter_add_(1, pos, val)
 
 
 def _coefficients(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype) -> Tensor:
@@ -369,7 +368,7 @@ def _coefficients(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_e
     n, slots = index.shape
     r = _slot_rows(slots, n_out, index.device)
     i = _slot_rows(slots, n_in, index.device)
-    c = _gate_matrix(index, gate, (r * n_experts + index) * n_in + i, n_out * n_experts * n_in, dtype)
+    c = _gate_matrix(gate, (r * n_experts + index) * n_in + i, n_out * n_experts * n_in, dtype)
     return c.view(n, n_out * n_experts, n_in)
 
 
@@ -394,7 +393,7 @@ def _output_gates(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_e
     """[N, R, I*E]: the gates that carry each row of `_all_experts` into each output row (summed where slots meet)."""
     n, slots = index.shape
     pos = _slot_rows(slots, n_out, index.device) * (n_in * n_experts) + _expert_rows(index, n_in, n_experts)
-    return _gate_matrix(index, gate, pos, n_out * n_in * n_experts, dtype).view(n, n_out, n_in * n_experts)
+    return _gate_matrix(gate, pos, n_out * n_in * n_experts, dtype).view(n, n_out, n_in * n_experts)
 
 
 def dense_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
