@@ -136,9 +136,8 @@ def via_regime(shape: Shape, cast, regime: str):
 TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (1e-2, 2e-2), torch.bfloat16: (4e-2, 8e-2)}
 
 
-def assert_matches(got, want, dtype):
+def assert_matches(got, want, dtype, names=("out", "grad_x", "grad_weight", "grad_gate")):
     rtol, atol = TOL[dtype]
-    names = ["out", "grad_x", "grad_weight", "grad_gate"]
     assert len(got) == len(want)
     for name, g, w in zip(names, got, want):
         assert g.shape == w.shape, name
@@ -292,6 +291,27 @@ def test_triton_half(shape, dtype, backend):
     assert [t.dtype for t in got[:3]] == [dtype] * 3
     assert got[3].dtype == torch.float32  # the gate stays fp32 (the model routes in fp32)
     assert_matches(got, naive_all(shape, exact), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_triton_backward_with_dense_grad_x_matches_naive_loop(shape, dtype, backend):
+    """The backward with grad_x as one GEMM (`dense_grad_x`): the gate gradient from the grouped kernel run
+    forward-oriented, storing nothing, the weight gradient as always; with the gate gradient asked for and not."""
+    from switchhead.kernels import triton_kernels
+
+    backend("triton")
+    tk = triton_kernels.load()
+    exact, cast = make(shape, dtype)
+    want = naive_all(shape, exact)[1:]
+    x, w, index, gate, grad = on_device(cast)
+    for need_gate_grad in (True, False):
+        got = [t.cpu() for t in tk.backward(grad, x, w, index, gate, need_gate_grad, dense_grad_x=True)]
+        if gate is None or not need_gate_grad:
+            assert got[2].numel() == 0
+            got = got[:2]
+        assert [t.dtype for t in got[:2]] == [dtype] * 2
+        assert_matches(got, want[: len(got)], dtype, names=("grad_x", "grad_weight", "grad_gate"))
 
 
 def _split_weight_grad(monkeypatch, shape: Shape) -> None:
@@ -726,11 +746,16 @@ def test_triton_builds_for_sm90_pipelined_without_spills(dtype, every_config, mo
     _, up = make(Shape(40, 1, 4, 4, 16, 412, 128, gated=False), dtype)  # a sigma-MoE up-projection: no gate
     launches = gpu_build.launches(*many[:4], 1) + gpu_build.launches(*decode[:4], 2)
     launches += gpu_build.launches(*wide[:4], 2) + gpu_build.launches(*up[:4], 4)
+    # the V projection again with grad_x by cuBLAS: the grouped kernel's gate-gradient pass that stores nothing
+    launches += gpu_build.launches(*wide[:4], 2, dense_grad_x=True)[3:]
     sort = ["_count_pairs_kernel", "_place_pairs_kernel"]
     expected = [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
     expected += ["_gather_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]  # fwd, grad_x, grad_w
     expected += [*sort, "_grouped_matmul_kernel", *sort, "_grouped_matmul_kernel", "_weight_grad_kernel"] * 2
+    expected += [*sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
     assert [launch.kernel for launch in launches] == expected
+    grouped = [launch for launch in launches if launch.kernel == "_grouped_matmul_kernel"]
+    assert [launch.kwargs["STORE"] for launch in grouped] == [True] * 7 + [False]
     splits = triton_kernels.load()._weight_grad_kernel.fn.arg_names.index("SPLITS")
     assert launches[6].args[splits] > 1 and launches[11].args[splits] == 1
     k_dim = triton_kernels.load()._grouped_matmul_kernel.fn.arg_names.index("K_DIM")
@@ -848,10 +873,11 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     regimes = ["dense", "grouped", "combo"]
     timer = bench_module.each_call(_time_once)
     lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)
-    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in ["triton", "op", *regimes]]  # no CPU auto column
+    variants = ["triton", "hybrid", "op", *regimes]
+    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in variants]  # no CPU auto column
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]
-    assert all(len(r) == 2 + 2 * 5 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
+    assert all(len(r) == 2 + 2 * len(variants) and all(float(v) > 0 for v in r[2:]) for r in rows), rows
 
 
 def test_gemm_width_table_lists_the_unaligned_products():

@@ -84,10 +84,12 @@ def _recording(tk: ModuleType, into: list[Launch]):
 
 
 def launches(
-    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, allow_tf32: bool = False
+    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, allow_tf32: bool = False,
+    dense_grad_x: bool = False,
 ) -> list[Launch]:
     """The kernel launches of one forward and one backward (all gradients) of the Triton op on these inputs, with
-    torch's TF32 setting for fp32 matmuls (which picks the kernels' precision) set as given meanwhile."""
+    torch's TF32 setting for fp32 matmuls (which picks the kernels' precision) set as given meanwhile, and grad_x
+    by the kernel or (`dense_grad_x`) by cuBLAS, as `triton_kernels.backward` takes it."""
     tk = _compiled_module()
     recorded: list[Launch] = []
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32  # a property of torch's cuBLAS module: set and restore
@@ -96,7 +98,7 @@ def launches(
         with _recording(tk, recorded):
             tk.forward(x, weight, index, gate, n_out)
             grad = torch.zeros(x.shape[0], n_out, weight.shape[2], dtype=x.dtype)
-            tk.backward(grad, x, weight, index, gate, gate is not None)
+            tk.backward(grad, x, weight, index, gate, gate is not None, dense_grad_x=dense_grad_x)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
     return recorded

@@ -385,8 +385,7 @@ def _all_experts(x: Tensor, weight: Tensor) -> Tensor:
         # detached: for inputs that require grad, matmul takes a 2-3x slower broadcast route (262M V, N = 16)
         y_all = torch.matmul(x.reshape(1, n * n_in, d_in).detach(), weight.detach())  # [E, N*I, D_out]
         return y_all.view(n_experts, n, n_in, d_out).permute(1, 2, 0, 3).reshape(n, n_in * n_experts, d_out)
-    w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
-    return (x.reshape(n * n_in, d_in) @ w_cat).view(n, n_in * n_experts, d_out)
+    return (x.reshape(n * n_in, d_in) @ _experts_side_by_side(weight)).view(n, n_in * n_experts, d_out)
 
 
 def _output_gates(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype) -> Tensor:
@@ -411,6 +410,30 @@ def dense_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None,
     return out.view(n, n_out, d_out)
 
 
+def _experts_side_by_side(weight: Tensor) -> Tensor:
+    """[D_in, E*D_out]: the expert matrices next to each other (columns e*D_out.. of expert e)."""
+    n_experts, d_in, d_out = weight.shape
+    return weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
+
+
+def _expert_grads(grad: Tensor, x: Tensor, index: Tensor, gate: Tensor | None, n_experts: int, dtype) -> Tensor:
+    """[N*I, E*D_out] in x's dtype: for each input row and expert, the gated sum of the output gradients its slots
+    send back through that expert (zero for experts no slot of the row chose), summed in `dtype`. Times the
+    side-by-side weight^T, it is grad_x: one GEMM, every row written once (no atomics)."""
+    n, n_in, _ = x.shape
+    n_out, d_out = grad.shape[1:]
+    c = _output_gates(index, gate, n_in, n_out, n_experts, dtype)
+    return torch.bmm(c.transpose(1, 2), grad.to(dtype)).view(n * n_in, n_experts * d_out).to(x.dtype)
+
+
+def dense_input_grad(grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> Tensor:
+    """grad_x alone, as dense_backward computes it for input-expanding shapes (any shape is right), but with the
+    gates rounded to x's dtype, as dense_forward's coefficients: at half precision the fp32 sums and their copies
+    would move several times the bytes of the GEMM's operand (its sums have at most R terms, rounded once)."""
+    grad_y = _expert_grads(grad, x, index, gate, weight.shape[0], x.dtype)
+    return (grad_y @ _experts_side_by_side(weight).t()).view_as(x)
+
+
 def dense_backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
     need_weight_grad: bool = True,
@@ -422,7 +445,6 @@ def dense_backward(
     acc = _acc_dtype(x)
     no_gate_grad = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if _dense_expands_inputs(n_in, n_out):
-        w_cat = weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
         g = grad.to(acc)
         grad_gate = no_gate_grad
         if gate is not None and need_gate_grad:
@@ -430,9 +452,8 @@ def dense_backward(
             dots = torch.bmm(_all_experts(x, weight).to(acc), g.transpose(1, 2))  # [N, I*E, R]
             pick = _expert_rows(index, n_in, n_experts) * n_out + _slot_rows(slots, n_out, x.device)
             grad_gate = dots.view(n, n_in * n_experts * n_out).gather(1, pick).to(gate.dtype)
-        c = _output_gates(index, gate, n_in, n_out, n_experts, acc)
-        grad_y = torch.bmm(c.transpose(1, 2), g).view(n * n_in, n_experts * d_out).to(x.dtype)
-        grad_x = (grad_y @ w_cat.t()).view_as(x)
+        grad_y = _expert_grads(g, x, index, gate, n_experts, acc)
+        grad_x = (grad_y @ _experts_side_by_side(weight).t()).view_as(x)
         grad_w = weight.new_empty(0)
         if need_weight_grad:
             grad_w_cat = x.reshape(n * n_in, d_in).t() @ grad_y

@@ -45,6 +45,7 @@ import triton.language as tl
 from torch import Tensor
 from triton import knobs
 
+from switchhead.kernels import torch_paths
 from switchhead.kernels.ops import KernelBackendError
 
 _INTERPRETED: bool = knobs.runtime.interpret
@@ -353,7 +354,7 @@ def _tile_product(
 
 @triton.autotune(
     configs=_all(_MATMUL_CONFIGS),
-    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_PER", "C_PER", "PRECISION"],
+    key=["K_DIM", "N_DIM", "M_BUCKET", "n_experts", "A_PER", "C_PER", "PRECISION", "STORE"],
     prune_configs_by={"early_config_prune": _pruner(_MATMUL_CONFIGS)},
     # Tuning runs every config: with ATOMIC the output accumulates, and a config with narrower BLOCK_N fills
     # more rows of the gate-gradient partials than the winner will; both are zeroed between runs.
@@ -365,8 +366,9 @@ def _grouped_matmul_kernel(
     n_experts, n_pairs, K_DIM: tl.constexpr, N_DIM: tl.constexpr, M_BUCKET, A_PER, C_PER, STORE_PER,
     stride_a: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
     stride_c: tl.constexpr, stride_partner: tl.constexpr,
-    HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, STORE: tl.constexpr, ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     expert, start, end = _tile_owner(tl.program_id(0), offsets_ptr, n_experts, BLOCK_M, E_PAD)
     if expert < 0:  # the grid is sized for the worst case (every expert ends in a partial tile)
@@ -391,6 +393,8 @@ def _grouped_matmul_kernel(
         partner = tl.load(partner_ptr + c_row[:, None] * stride_partner + offs_n[None, :], mask=mask_c, other=0.0)
         partial = tl.reduce(acc * partner.to(tl.float32), 1, _add)
         tl.store(gate_grad_ptr + tl.program_id(1) * n_pairs + pair, partial, mask=mask_m)
+    if not STORE:  # the gate gradient was all the caller wanted
+        return
     if HAS_GATE:
         acc *= tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     # STORE_PER is C_PER, or 1 when the caller wants one row per pair (to add them up in a fixed order itself).
@@ -415,11 +419,12 @@ def _grouped_matmul(
     offsets: Tensor,
     gate: Tensor | None,
     partner: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    store: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
     """c[pair // c_per] += gate[pair] * a[pair // a_per] @ W[expert(pair)] (W^T if transpose_weight).
 
-    Returns c (fp32 if rows receive several pairs, else a's dtype) and, when `partner` is given, the per-pair
-    dot product of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
+    Returns c (fp32 if rows receive several pairs, else a's dtype; None unless `store`) and, when `partner` is
+    given, the per-pair dot product of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
 
     Several pairs per row are added with atomics, in whatever order the tiles finish. Under
     torch.use_deterministic_algorithms(True) every pair gets a row of its own instead, and the rows are then
@@ -428,13 +433,17 @@ def _grouped_matmul(
     n_experts = weight.shape[0]
     k_dim, (n_dim, stride_wk, stride_wn) = a.shape[1], _oriented(weight, transpose_weight)
     n_pairs = order.numel()
-    per_pair = c_per > 1 and torch.are_deterministic_algorithms_enabled()
-    atomic = c_per > 1 and not per_pair
+    per_pair = store and c_per > 1 and torch.are_deterministic_algorithms_enabled()
+    atomic = store and c_per > 1 and not per_pair
     store_per = 1 if per_pair else c_per
-    c = (torch.zeros if atomic else torch.empty)(
-        n_pairs if per_pair else c_rows, n_dim, dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device
-    )
     gate_grad = None if partner is None else _gate_grad_partials(n_dim, n_pairs, _MATMUL_CONFIGS, a.device)
+    if store:
+        c = (torch.zeros if atomic else torch.empty)(
+            n_pairs if per_pair else c_rows, n_dim, dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device
+        )
+    else:  # nothing is written to c; the autotuner zeroes whatever is passed for it, so not an input
+        assert gate_grad is not None, "a product that stores nothing computes the gate gradient"
+        c = gate_grad
 
     def grid(meta: dict) -> tuple[int, int]:
         tiles = triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
@@ -445,14 +454,14 @@ def _grouped_matmul(
         gate if gate is not None else a, partner if partner is not None else a,
         gate_grad if gate_grad is not None else c,
         n_experts, n_pairs, k_dim, n_dim, _bucket(n_pairs), a_per, c_per, store_per,
-        a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0),
+        a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0) if store else 0,
         partner.stride(0) if partner is not None else 0,
-        HAS_GATE=gate is not None, GATE_GRAD=partner is not None, ATOMIC=atomic, PRECISION=_precision(a.dtype),
-        DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
+        HAS_GATE=gate is not None, GATE_GRAD=partner is not None, STORE=store, ATOMIC=atomic,
+        PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
     )  # fmt: skip
     if per_pair:
         c = c.view(c_rows, c_per, n_dim).sum(1)
-    return c, (gate_grad.sum(0) if gate_grad is not None else None)
+    return (c if store else None), (gate_grad.sum(0) if gate_grad is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -668,21 +677,32 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
 
 def backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
-    need_weight_grad: bool = True,
+    need_weight_grad: bool = True, dense_grad_x: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients w.r.t. x, weight and gate. `dense_grad_x`: grad_x as one cuBLAS GEMM
+    (`torch_paths.dense_input_grad`) instead of the grouped kernel, which then runs forward-oriented, storing
+    nothing, for the gate gradient alone: <x @ W, grad> = <x, grad @ W^T>."""
     _require_runnable(x)
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
     n_out, slots = grad.shape[1], index.shape[1]
     d_in_p, d_out_p = _aligned(d_in, ALIGN), _aligned(d_out, ALIGN)
     x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
-    weight = _padded_weight(weight, d_in_p, d_out_p)
+    w = _padded_weight(weight, d_in_p, d_out_p)
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
-    partner = x2 if gate is not None and need_gate_grad else None
     order, offsets = _sort_pairs(index, n_experts)
-    grad_x, gate_grad = _grouped_matmul(
-        g2, slots // n_out, weight, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
-    )
+    gate_grad = None
+    if dense_grad_x:
+        grad_x = torch_paths.dense_input_grad(grad.to(x.dtype), x, weight, index, gate)
+        if gate is not None and need_gate_grad:
+            _, gate_grad = _grouped_matmul(
+                x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, None, g2, store=False
+            )
+    else:
+        partner = x2 if gate is not None and need_gate_grad else None
+        grad_x, gate_grad = _grouped_matmul(
+            g2, slots // n_out, w, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
+        )
     grad_w = weight.new_empty(0)
     if need_weight_grad:
         grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
@@ -691,5 +711,6 @@ def backward(
         grad_gate = gate_grad.view(n, slots).to(gate.dtype)
     else:
         grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
+    if not dense_grad_x:
+        grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
     return grad_x, grad_w, grad_gate
