@@ -9,6 +9,7 @@ op tests on CUDA tensors instead: the compiled kernels, still against the float6
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import re
@@ -297,21 +298,27 @@ def test_triton_half(shape, dtype, backend):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_triton_backward_with_dense_grad_x_matches_naive_loop(shape, dtype, backend):
     """The backward with grad_x as one GEMM (`dense_grad_x`): the gate gradient from the grouped kernel run
-    forward-oriented, storing nothing, the weight gradient as always; with the gate gradient asked for and not."""
+    forward-oriented, storing nothing, the weight gradient from its kernel or (`dense_grad_w`) as one more GEMM;
+    with the gate and the weight gradients asked for and not."""
     from switchhead.kernels import triton_kernels
 
     backend("triton")
     tk = triton_kernels.load()
     exact, cast = make(shape, dtype)
-    want = naive_all(shape, exact)[1:]
+    want = dict(zip(("grad_x", "grad_weight", "grad_gate"), naive_all(shape, exact)[1:]))
     x, w, index, gate, grad = on_device(cast)
-    for need_gate_grad in (True, False):
-        got = [t.cpu() for t in tk.backward(grad, x, w, index, gate, need_gate_grad, dense_grad_x=True)]
-        if gate is None or not need_gate_grad:
-            assert got[2].numel() == 0
-            got = got[:2]
-        assert [t.dtype for t in got[:2]] == [dtype] * 2
-        assert_matches(got, want[: len(got)], dtype, names=("grad_x", "grad_weight", "grad_gate"))
+    for need_gate_grad, need_weight_grad, dense_grad_w in itertools.product((True, False), repeat=3):
+        got = tk.backward(grad, x, w, index, gate, need_gate_grad, need_weight_grad, True, dense_grad_w)
+        if need_weight_grad and not need_gate_grad:  # bitwise reproducible, by either route
+            assert torch.equal(got[1], tk.backward(grad, x, w, index, gate, False, True, True, dense_grad_w)[1])
+        asked = {"grad_x": True, "grad_weight": need_weight_grad, "grad_gate": gate is not None and need_gate_grad}
+        assert [t.numel() > 0 for t in got] == list(asked.values())
+        names = [name for name, on in asked.items() if on]
+        got = [t.cpu() for t in got if t.numel()]
+        assert [t.dtype for t in got] == [torch.float32 if name == "grad_gate" else dtype for name in names]
+        assert_matches(got, [want[name] for name in names], dtype, names=names)
+    with pytest.raises(ValueError, match="dense_grad_w reuses"):
+        tk.backward(grad, x, w, index, gate, True, True, dense_grad_x=False, dense_grad_w=True)
 
 
 def _split_weight_grad(monkeypatch, shape: Shape) -> None:
@@ -873,7 +880,7 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     regimes = ["dense", "grouped", "combo"]
     timer = bench_module.each_call(_time_once)
     lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)
-    variants = ["triton", "hybrid", "op", *regimes]
+    variants = ["triton", "cuBLAS dx", "cuBLAS dx+dw", "op", *regimes]
     assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in variants]  # no CPU auto column
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]

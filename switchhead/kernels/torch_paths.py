@@ -416,22 +416,25 @@ def _experts_side_by_side(weight: Tensor) -> Tensor:
     return weight.permute(1, 0, 2).reshape(d_in, n_experts * d_out)
 
 
-def _expert_grads(grad: Tensor, x: Tensor, index: Tensor, gate: Tensor | None, n_experts: int, dtype) -> Tensor:
-    """[N*I, E*D_out] in x's dtype: for each input row and expert, the gated sum of the output gradients its slots
-    send back through that expert (zero for experts no slot of the row chose), summed in `dtype`. Times the
-    side-by-side weight^T, it is grad_x: one GEMM, every row written once (no atomics)."""
-    n, n_in, _ = x.shape
-    n_out, d_out = grad.shape[1:]
-    c = _output_gates(index, gate, n_in, n_out, n_experts, dtype)
-    return torch.bmm(c.transpose(1, 2), grad.to(dtype)).view(n * n_in, n_experts * d_out).to(x.dtype)
-
-
-def dense_input_grad(grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> Tensor:
-    """grad_x alone, as dense_backward computes it for input-expanding shapes (any shape is right), but with the
-    gates rounded to x's dtype, as dense_forward's coefficients: at half precision the fp32 sums and their copies
-    would move several times the bytes of the GEMM's operand (its sums have at most R terms, rounded once)."""
-    grad_y = _expert_grads(grad, x, index, gate, weight.shape[0], x.dtype)
-    return (grad_y @ _experts_side_by_side(weight).t()).view_as(x)
+def dense_expanded_grads(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_weight_grad: bool, dtype=None
+) -> tuple[Tensor, Tensor]:
+    """grad_x and (if asked for, else empty) the weight gradient as dense_backward computes them for input-expanding
+    shapes (any shape is right): grad_y [N*I, E*D_out], for each input row and expert the gated sum of the output
+    gradients its slots send back through that expert (zero where no slot chose it), summed in `dtype` and rounded
+    to x's dtype; then grad_x = grad_y @ (the experts side by side)^T and grad_w = x^T @ grad_y, one GEMM each,
+    every row written once (no atomics). `dtype` defaults to x's: at half precision the gates are then rounded as
+    dense_forward's coefficients are, and no fp32 copies of the sums are made (they have at most R terms)."""
+    n, n_in, d_in = x.shape
+    n_experts, _, d_out = weight.shape
+    dtype = dtype or x.dtype
+    c = _output_gates(index, gate, n_in, grad.shape[1], n_experts, dtype)
+    grad_y = torch.bmm(c.transpose(1, 2), grad.to(dtype)).view(n * n_in, n_experts * d_out).to(x.dtype)
+    grad_x = (grad_y @ _experts_side_by_side(weight).t()).view_as(x)
+    if not need_weight_grad:
+        return grad_x, weight.new_empty(0)
+    grad_w_cat = x.reshape(n * n_in, d_in).t() @ grad_y
+    return grad_x, grad_w_cat.view(d_in, n_experts, d_out).permute(1, 0, 2).contiguous()
 
 
 def dense_backward(
@@ -452,12 +455,7 @@ def dense_backward(
             dots = torch.bmm(_all_experts(x, weight).to(acc), g.transpose(1, 2))  # [N, I*E, R]
             pick = _expert_rows(index, n_in, n_experts) * n_out + _slot_rows(slots, n_out, x.device)
             grad_gate = dots.view(n, n_in * n_experts * n_out).gather(1, pick).to(gate.dtype)
-        grad_y = _expert_grads(g, x, index, gate, n_experts, acc)
-        grad_x = (grad_y @ _experts_side_by_side(weight).t()).view_as(x)
-        grad_w = weight.new_empty(0)
-        if need_weight_grad:
-            grad_w_cat = x.reshape(n * n_in, d_in).t() @ grad_y
-            grad_w = grad_w_cat.view(d_in, n_experts, d_out).permute(1, 0, 2).contiguous()
+        grad_x, grad_w = dense_expanded_grads(g, x, weight, index, gate, need_weight_grad, acc)
         return grad_x, grad_w, grad_gate
     c = _coefficients(index, gate, n_in, n_out, n_experts, x.dtype)
     g2 = grad.reshape(n * n_out, d_out).to(x.dtype)

@@ -677,11 +677,14 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
 
 def backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
-    need_weight_grad: bool = True, dense_grad_x: bool = False,
+    need_weight_grad: bool = True, dense_grad_x: bool = False, dense_grad_w: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients w.r.t. x, weight and gate. `dense_grad_x`: grad_x as one cuBLAS GEMM
-    (`torch_paths.dense_input_grad`) instead of the grouped kernel, which then runs forward-oriented, storing
-    nothing, for the gate gradient alone: <x @ W, grad> = <x, grad @ W^T>."""
+    (`torch_paths.dense_expanded_grads`) instead of the grouped kernel, which then runs forward-oriented, storing
+    nothing, for the gate gradient alone: <x @ W, grad> = <x, grad @ W^T>. `dense_grad_w` (with `dense_grad_x`):
+    the weight gradient too, as one more GEMM of the same gated gradients, instead of the weight-gradient kernel."""
+    if dense_grad_w and not dense_grad_x:
+        raise ValueError("dense_grad_w reuses the gated gradients of dense_grad_x: set both")
     _require_runnable(x)
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
@@ -692,8 +695,11 @@ def backward(
     flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
     order, offsets = _sort_pairs(index, n_experts)
     gate_grad = None
+    grad_w = weight.new_empty(0)
     if dense_grad_x:
-        grad_x = torch_paths.dense_input_grad(grad.to(x.dtype), x, weight, index, gate)
+        grad_x, grad_w = torch_paths.dense_expanded_grads(
+            grad.to(x.dtype), x, weight, index, gate, dense_grad_w and need_weight_grad
+        )
         if gate is not None and need_gate_grad:
             _, gate_grad = _grouped_matmul(
                 x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, None, g2, store=False
@@ -703,8 +709,7 @@ def backward(
         grad_x, gate_grad = _grouped_matmul(
             g2, slots // n_out, w, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
         )
-    grad_w = weight.new_empty(0)
-    if need_weight_grad:
+    if need_weight_grad and not dense_grad_w:
         grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
         grad_w = grad_w[:, :d_in, :d_out].to(x.dtype).contiguous()
     if gate_grad is not None:
