@@ -7,8 +7,8 @@
 # Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), table (the GPU
 # table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), frozen (forward + backward with
 # the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM,
-# beside the Triton kernels, the kernels with grad_x, or grad_x and the weight gradient, by cuBLAS, and the op as
-# it runs by default: bf16, N = 4096 and 16384).
+# beside the Triton kernels, the kernels with grad_x and/or the weight gradient by cuBLAS, and the op as it runs
+# by default: bf16, N = 4096 and 16384).
 # A step that fails stops the run: timings of kernels that fail their tests mean nothing.
 # PYTHON picks the interpreter (default: python3).
 set -euo pipefail

@@ -246,8 +246,8 @@ def regime_table(
     triton: bool = False,
 ) -> list[str]:
     """Each named regime, and with `against` the same regime as of that git revision beside it. `triton`: the
-    Triton kernels first, then "cuBLAS dx" (the kernels with grad_x by cuBLAS, `dense_grad_x`) and "cuBLAS dx+dw"
-    (the weight gradient by cuBLAS too, `dense_grad_w`), whose forward is the kernels', then the op as
+    Triton kernels first, then their backward with grad_x ("cuBLAS dx", `dense_grad_x`), the weight gradient
+    ("cuBLAS dw", `dense_grad_w`) or both ("cuBLAS dx+dw") by cuBLAS (forward: the kernels'), then the op as
     SWITCHHEAD_KERNEL sets it (unset on CUDA: the kernels, or dense_forward where `torch_paths.cuda_prefers_dense`),
     and no auto column (that is the CPU's choice)."""
     sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
@@ -257,8 +257,8 @@ def regime_table(
 
         tk = triton_kernels.load()
         variants["triton"] = (tk.forward, tk.backward)
-        variants["cuBLAS dx"] = (tk.forward, partial(tk.backward, dense_grad_x=True))
-        variants["cuBLAS dx+dw"] = (tk.forward, partial(tk.backward, dense_grad_x=True, dense_grad_w=True))
+        for name, dx, dw in (("cuBLAS dx", True, False), ("cuBLAS dw", False, True), ("cuBLAS dx+dw", True, True)):
+            variants[name] = (tk.forward, partial(tk.backward, dense_grad_x=dx, dense_grad_w=dw))
         variants["op"] = (expert_projection, partial(expert_projection_backward, need_weight_grad=True))
     for r in regimes:
         for suffix, paths in sources:

@@ -210,7 +210,7 @@ def test_dense_weight_broadcast_or_copied(shape, broadcast, monkeypatch):
     """The dense path multiplies every expert by a broadcast batched matmul (few rows) or by the weight copied
     side by side into one GEMM (DENSE_BROADCAST_MAX_ROWS); both lay the products out alike for the gates."""
     monkeypatch.setattr(torch_paths, "DENSE_BROADCAST_MAX_ROWS", 1 << 62 if broadcast else 0)
-    assert torch_paths._dense_expands_inputs(shape.n_in, shape.n_out)  # the shapes take that path
+    assert torch_paths.dense_expands_inputs(shape.n_in, shape.n_out)  # the shapes take that path
     exact, cast = make(shape)
     assert_matches(via_regime(shape, cast, "dense"), naive_all(shape, exact), torch.float32)
 
@@ -294,12 +294,15 @@ def test_triton_half(shape, dtype, backend):
     assert_matches(got, naive_all(shape, exact), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_triton_backward_with_dense_grad_x_matches_naive_loop(shape, dtype, backend):
-    """The backward with grad_x as one GEMM (`dense_grad_x`): the gate gradient from the grouped kernel run
-    forward-oriented, storing nothing, the weight gradient from its kernel or (`dense_grad_w`) as one more GEMM;
-    with the gate and the weight gradients asked for and not."""
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [(s, torch.float32) for s in SHAPES] + [(s, torch.bfloat16) for s in [SHAPES[2], SHAPES[3], *HALF_SHAPES]],
+    ids=str,
+)
+def test_triton_backward_with_cublas_gradients_matches_naive_loop(shape, dtype, backend):
+    """The backward with grad_x as one GEMM (`dense_grad_x`; the gate gradient then from the grouped kernel run
+    forward-oriented, storing nothing) or the weight gradient as one GEMM (`dense_grad_w`), or both; with the gate
+    and the weight gradients asked for and not."""
     from switchhead.kernels import triton_kernels
 
     backend("triton")
@@ -307,18 +310,19 @@ def test_triton_backward_with_dense_grad_x_matches_naive_loop(shape, dtype, back
     exact, cast = make(shape, dtype)
     want = dict(zip(("grad_x", "grad_weight", "grad_gate"), naive_all(shape, exact)[1:]))
     x, w, index, gate, grad = on_device(cast)
-    for need_gate_grad, need_weight_grad, dense_grad_w in itertools.product((True, False), repeat=3):
-        got = tk.backward(grad, x, w, index, gate, need_gate_grad, need_weight_grad, True, dense_grad_w)
-        if need_weight_grad and not need_gate_grad:  # bitwise reproducible, by either route
-            assert torch.equal(got[1], tk.backward(grad, x, w, index, gate, False, True, True, dense_grad_w)[1])
+    needs = [(True, True), (False, True), (True, False)]  # (gate gradient, weight gradient)
+    routes = [(True, False), (False, True), (True, True)]  # (dense_grad_x, dense_grad_w); neither: other tests
+    for (need_gate_grad, need_weight_grad), (dense_grad_x, dense_grad_w) in itertools.product(needs, routes):
+        flags = dict(dense_grad_x=dense_grad_x, dense_grad_w=dense_grad_w)
+        got = tk.backward(grad, x, w, index, gate, need_gate_grad, need_weight_grad, **flags)
+        if need_weight_grad and not need_gate_grad and dtype == torch.float32:  # bitwise reproducible, any route
+            assert torch.equal(got[1], tk.backward(grad, x, w, index, gate, False, True, **flags)[1])
         asked = {"grad_x": True, "grad_weight": need_weight_grad, "grad_gate": gate is not None and need_gate_grad}
         assert [t.numel() > 0 for t in got] == list(asked.values())
         names = [name for name, on in asked.items() if on]
         got = [t.cpu() for t in got if t.numel()]
         assert [t.dtype for t in got] == [torch.float32 if name == "grad_gate" else dtype for name in names]
         assert_matches(got, [want[name] for name in names], dtype, names=names)
-    with pytest.raises(ValueError, match="dense_grad_w reuses"):
-        tk.backward(grad, x, w, index, gate, True, True, dense_grad_x=False, dense_grad_w=True)
 
 
 def _split_weight_grad(monkeypatch, shape: Shape) -> None:
@@ -880,7 +884,7 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     regimes = ["dense", "grouped", "combo"]
     timer = bench_module.each_call(_time_once)
     lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)
-    variants = ["triton", "cuBLAS dx", "cuBLAS dx+dw", "op", *regimes]
+    variants = ["triton", "cuBLAS dx", "cuBLAS dw", "cuBLAS dx+dw", "op", *regimes]
     assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in variants]  # no CPU auto column
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, 9) for c in cases]

@@ -170,7 +170,7 @@ BUFFER_MIN_ELEMENTS = 32 * 1024
 #   2048; 262M V 5.12 vs 5.60 at 128, 8.92 vs 7.67 at 256; sigma-MoE down 1.73 vs 3.09 at 128, 5.99 vs 4.63 at 512.
 # Model: dense iff (waste - 1 - extra) * useful MACs <= E * overhead, where `extra` is the share of the useful work
 # that the blocked regimes spend beyond dense's GEMM rate (forward only; at or above waste - 1, dense always wins).
-BF16_FORWARD_EXTRA = {"expand": 0.4, "contract": 1.0}  # by _dense_expands_inputs: V-like / O-like
+BF16_FORWARD_EXTRA = {"expand": 0.4, "contract": 1.0}  # by dense_expands_inputs: V-like / O-like
 BF16_OVERHEAD_MACS_PER_EXPERT = {"forward": 14e6, "backward": 12e6}
 # In bf16 combo pays later than in fp32: 47M V / O backward 13.51 / 9.82 (grouped) vs 15.90 / 12.51 ms (combo) at
 # N = 2048, 30.40 / 17.72 vs 25.31 / 18.15 at 4096 (the command above).
@@ -207,12 +207,12 @@ def choose_regime(
     blocked = "combo" if per_set >= min_per_set else "grouped"
     if native_bf16:
         # dense is weighed first here: O-like forwards stay dense even where combo would pay
-        extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if _dense_expands_inputs(n_in, n_out) else "contract"]
+        extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if dense_expands_inputs(n_in, n_out) else "contract"]
         overhead = BF16_OVERHEAD_MACS_PER_EXPERT["backward" if backward else "forward"]
         return "dense" if (waste - 1 - extra) * useful_macs <= n_experts * overhead else blocked
     if blocked == "combo":
         return "combo"
-    if backward and _dense_expands_inputs(n_in, n_out):
+    if backward and dense_expands_inputs(n_in, n_out):
         # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
         # 1.36 vs 0.61 ms, `python benchmarks/kernels.py --threads 1 --n 16 64 256 --regimes dense grouped`).
         return "grouped"
@@ -242,7 +242,7 @@ def cuda_prefers_dense(
     n: int, n_in: int, slots: int, n_out: int, n_experts: int, d_in: int, d_out: int, dtype: torch.dtype
 ) -> bool:
     """Whether the forward of this shape on CUDA runs faster as dense_forward (cuBLAS) than as the Triton kernels."""
-    if dtype not in (torch.float16, torch.bfloat16) or _dense_expands_inputs(n_in, n_out) or n < CUDA_DENSE_MIN_TOKENS:
+    if dtype not in (torch.float16, torch.bfloat16) or dense_expands_inputs(n_in, n_out) or n < CUDA_DENSE_MIN_TOKENS:
         return False
     dense_macs = n_out * n_experts * d_in * d_out + CUDA_DENSE_OVERHEAD_MACS
     return dense_macs < slots * d_out * CUDA_ATOMIC_MACS
@@ -352,7 +352,7 @@ def gather_backward(
 # dense: every expert in one GEMM
 
 
-def _dense_expands_inputs(n_in: int, n_out: int) -> bool:
+def dense_expands_inputs(n_in: int, n_out: int) -> bool:
     """Run all experts on the inputs (cost ~ I*E) rather than contract gated inputs (cost ~ R*E)?"""
     return n_in <= n_out
 
@@ -398,7 +398,7 @@ def _output_gates(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_e
 def dense_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     n, n_in, d_in = x.shape
     n_experts, _, d_out = weight.shape
-    if _dense_expands_inputs(n_in, n_out):
+    if dense_expands_inputs(n_in, n_out):
         # The slots' rows picked, gated and summed per output row as one small bmm per token with the gates spread
         # over [R, I*E]: one pass over the products instead of a copy of S rows, a multiply and a sum.
         acc = _acc_dtype(x)
@@ -417,24 +417,44 @@ def _experts_side_by_side(weight: Tensor) -> Tensor:
 
 
 def dense_expanded_grads(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_weight_grad: bool, dtype=None
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_grad_x: bool,
+    need_weight_grad: bool, dtype=None,
 ) -> tuple[Tensor, Tensor]:
-    """grad_x and (if asked for, else empty) the weight gradient as dense_backward computes them for input-expanding
-    shapes (any shape is right): grad_y [N*I, E*D_out], for each input row and expert the gated sum of the output
-    gradients its slots send back through that expert (zero where no slot chose it), summed in `dtype` and rounded
-    to x's dtype; then grad_x = grad_y @ (the experts side by side)^T and grad_w = x^T @ grad_y, one GEMM each,
-    every row written once (no atomics). `dtype` defaults to x's: at half precision the gates are then rounded as
-    dense_forward's coefficients are, and no fp32 copies of the sums are made (they have at most R terms)."""
+    """grad_x and the weight gradient (each empty unless asked for) as dense_backward computes them for
+    input-expanding shapes (any shape is right): grad_y [N*I, E*D_out], for each input row and expert the gated sum
+    of the output gradients its slots send back through that expert (zero where no slot chose it), summed in
+    `dtype` and rounded to x's dtype; then grad_x = grad_y @ (the experts side by side)^T and grad_w = x^T @ grad_y,
+    one GEMM each, every row written once (no atomics). `dtype` defaults to x's: at half precision the gates are
+    then rounded as dense_forward's coefficients are, and no fp32 copies of the sums are made (they have at most R
+    terms)."""
     n, n_in, d_in = x.shape
     n_experts, _, d_out = weight.shape
     dtype = dtype or x.dtype
     c = _output_gates(index, gate, n_in, grad.shape[1], n_experts, dtype)
     grad_y = torch.bmm(c.transpose(1, 2), grad.to(dtype)).view(n * n_in, n_experts * d_out).to(x.dtype)
-    grad_x = (grad_y @ _experts_side_by_side(weight).t()).view_as(x)
+    grad_x = (grad_y @ _experts_side_by_side(weight).t()).view_as(x) if need_grad_x else x.new_empty(0)
     if not need_weight_grad:
         return grad_x, weight.new_empty(0)
     grad_w_cat = x.reshape(n * n_in, d_in).t() @ grad_y
     return grad_x, grad_w_cat.view(d_in, n_experts, d_out).permute(1, 0, 2).contiguous()
+
+
+def _contracted_weight_grad(c: Tensor, x: Tensor, g2: Tensor, weight: Tensor) -> Tensor:
+    """The weight gradient from the gated inputs z [N*R, E*D_in] (`_coefficients` times x): z^T @ grad, one GEMM."""
+    n, n_in, d_in = x.shape
+    z = torch.bmm(c, x) if n_in > 1 else c * x
+    return (z.view(-1, weight.shape[0] * d_in).t() @ g2).view_as(weight)
+
+
+def dense_weight_grad(grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> Tensor:
+    """The weight gradient alone as dense_backward computes it: one GEMM against the gated output gradients
+    (input-expanding shapes) or of the gated inputs (input-contracting ones), whichever has fewer rows per token;
+    gates rounded to x's dtype."""
+    n_in, n_out = x.shape[1], grad.shape[1]
+    if dense_expands_inputs(n_in, n_out):
+        return dense_expanded_grads(grad, x, weight, index, gate, False, True)[1]
+    c = _coefficients(index, gate, n_in, n_out, weight.shape[0], x.dtype)
+    return _contracted_weight_grad(c, x, grad.reshape(-1, weight.shape[2]).to(x.dtype), weight)
 
 
 def dense_backward(
@@ -447,7 +467,7 @@ def dense_backward(
     slots = index.shape[1]
     acc = _acc_dtype(x)
     no_gate_grad = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    if _dense_expands_inputs(n_in, n_out):
+    if dense_expands_inputs(n_in, n_out):
         g = grad.to(acc)
         grad_gate = no_gate_grad
         if gate is not None and need_gate_grad:
@@ -455,15 +475,12 @@ def dense_backward(
             dots = torch.bmm(_all_experts(x, weight).to(acc), g.transpose(1, 2))  # [N, I*E, R]
             pick = _expert_rows(index, n_in, n_experts) * n_out + _slot_rows(slots, n_out, x.device)
             grad_gate = dots.view(n, n_in * n_experts * n_out).gather(1, pick).to(gate.dtype)
-        grad_x, grad_w = dense_expanded_grads(g, x, weight, index, gate, need_weight_grad, acc)
+        grad_x, grad_w = dense_expanded_grads(g, x, weight, index, gate, True, need_weight_grad, acc)
         return grad_x, grad_w, grad_gate
     c = _coefficients(index, gate, n_in, n_out, n_experts, x.dtype)
     g2 = grad.reshape(n * n_out, d_out).to(x.dtype)
     w_flat = weight.reshape(n_experts * d_in, d_out)
-    grad_w = weight.new_empty(0)
-    if need_weight_grad:
-        z = torch.bmm(c, x) if n_in > 1 else c * x
-        grad_w = (z.view(n * n_out, n_experts * d_in).t() @ g2).view_as(weight)
+    grad_w = _contracted_weight_grad(c, x, g2, weight) if need_weight_grad else weight.new_empty(0)
     grad_z = (g2 @ w_flat.t()).view(n, n_out * n_experts, d_in)
     grad_x = torch.bmm(c.transpose(1, 2), grad_z)
     grad_gate = no_gate_grad

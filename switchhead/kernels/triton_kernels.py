@@ -681,10 +681,9 @@ def backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients w.r.t. x, weight and gate. `dense_grad_x`: grad_x as one cuBLAS GEMM
     (`torch_paths.dense_expanded_grads`) instead of the grouped kernel, which then runs forward-oriented, storing
-    nothing, for the gate gradient alone: <x @ W, grad> = <x, grad @ W^T>. `dense_grad_w` (with `dense_grad_x`):
-    the weight gradient too, as one more GEMM of the same gated gradients, instead of the weight-gradient kernel."""
-    if dense_grad_w and not dense_grad_x:
-        raise ValueError("dense_grad_w reuses the gated gradients of dense_grad_x: set both")
+    nothing, for the gate gradient alone: <x @ W, grad> = <x, grad @ W^T>. `dense_grad_w`: the weight gradient as
+    one cuBLAS GEMM (`torch_paths.dense_weight_grad`; for input-expanding shapes with `dense_grad_x`, of the same
+    gated gradients) instead of the weight-gradient kernel."""
     _require_runnable(x)
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
@@ -696,10 +695,13 @@ def backward(
     order, offsets = _sort_pairs(index, n_experts)
     gate_grad = None
     grad_w = weight.new_empty(0)
+    dense_w = dense_grad_w and need_weight_grad
+    shared = dense_grad_x and dense_w and torch_paths.dense_expands_inputs(n_in, n_out)
+    if dense_w and not shared:
+        grad_w = torch_paths.dense_weight_grad(grad.to(x.dtype), x, weight, index, gate)
     if dense_grad_x:
-        grad_x, grad_w = torch_paths.dense_expanded_grads(
-            grad.to(x.dtype), x, weight, index, gate, dense_grad_w and need_weight_grad
-        )
+        grad_x, shared_w = torch_paths.dense_expanded_grads(grad.to(x.dtype), x, weight, index, gate, True, shared)
+        grad_w = shared_w if shared else grad_w
         if gate is not None and need_gate_grad:
             _, gate_grad = _grouped_matmul(
                 x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, None, g2, store=False
@@ -709,7 +711,7 @@ def backward(
         grad_x, gate_grad = _grouped_matmul(
             g2, slots // n_out, w, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
         )
-    if need_weight_grad and not dense_grad_w:
+    if need_weight_grad and not dense_w:
         grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
         grad_w = grad_w[:, :d_in, :d_out].to(x.dtype).contiguous()
     if gate_grad is not None:
