@@ -441,7 +441,7 @@ def dense_expanded_grads(
 
 def _contracted_weight_grad(c: Tensor, x: Tensor, g2: Tensor, weight: Tensor) -> Tensor:
     """The weight gradient from the gated inputs z [N*R, E*D_in] (`_coefficients` times x): z^T @ grad, one GEMM."""
-    n, n_in, d_in = x.shape
+    _, n_in, d_in = x.shape
     z = torch.bmm(c, x) if n_in > 1 else c * x
     return (z.view(-1, weight.shape[0] * d_in).t() @ g2).view_as(weight)
 

@@ -688,36 +688,37 @@ def backward(
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
     n_out, slots = grad.shape[1], index.shape[1]
-    d_in_p, d_out_p = _aligned(d_in, ALIGN), _aligned(d_out, ALIGN)
-    x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
-    w = _padded_weight(weight, d_in_p, d_out_p)
-    flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
-    order, offsets = _sort_pairs(index, n_experts)
-    gate_grad = None
-    grad_w = weight.new_empty(0)
-    dense_w = dense_grad_w and need_weight_grad
-    shared = dense_grad_x and dense_w and torch_paths.dense_expands_inputs(n_in, n_out)
-    if dense_w and not shared:
-        grad_w = torch_paths.dense_weight_grad(grad.to(x.dtype), x, weight, index, gate)
+    need_gate_grad = gate is not None and need_gate_grad
+    cublas_w = dense_grad_w and need_weight_grad
+    grad_x = grad_w = gate_grad = None
     if dense_grad_x:
-        grad_x, shared_w = torch_paths.dense_expanded_grads(grad.to(x.dtype), x, weight, index, gate, True, shared)
-        grad_w = shared_w if shared else grad_w
-        if gate is not None and need_gate_grad:
+        # the gated gradients serve the weight gradient too where they are the narrower operand
+        shared = cublas_w and torch_paths.dense_expands_inputs(n_in, n_out)
+        grad_x, grad_w = torch_paths.dense_expanded_grads(grad.to(x.dtype), x, weight, index, gate, True, shared)
+        grad_w = grad_w if shared else None
+    if cublas_w and grad_w is None:
+        grad_w = torch_paths.dense_weight_grad(grad.to(x.dtype), x, weight, index, gate)
+    kernel_w = need_weight_grad and not cublas_w
+    if grad_x is None or need_gate_grad or kernel_w:  # work left for the kernels
+        d_in_p, d_out_p = _aligned(d_in, ALIGN), _aligned(d_out, ALIGN)
+        x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
+        w = _padded_weight(weight, d_in_p, d_out_p)
+        flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
+        order, offsets = _sort_pairs(index, n_experts)
+        if grad_x is None:
+            grad_x, gate_grad = _grouped_matmul(
+                g2, slots // n_out, w, True, n * n_in, slots // n_in, order, offsets, flat_gate,
+                x2 if need_gate_grad else None,
+            )  # fmt: skip
+            grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
+        elif need_gate_grad:
             _, gate_grad = _grouped_matmul(
                 x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, None, g2, store=False
             )
-    else:
-        partner = x2 if gate is not None and need_gate_grad else None
-        grad_x, gate_grad = _grouped_matmul(
-            g2, slots // n_out, w, True, n * n_in, slots // n_in, order, offsets, flat_gate, partner
-        )
-    if need_weight_grad and not dense_w:
-        grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
-        grad_w = grad_w[:, :d_in, :d_out].to(x.dtype).contiguous()
-    if gate_grad is not None:
-        grad_gate = gate_grad.view(n, slots).to(gate.dtype)
-    else:
-        grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
-    if not dense_grad_x:
-        grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
-    return grad_x, grad_w, grad_gate
+        if kernel_w:
+            grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
+            grad_w = grad_w[:, :d_in, :d_out].to(x.dtype).contiguous()
+    grad_w = grad_w if grad_w is not None else weight.new_empty(0)
+    if gate_grad is None:
+        return grad_x, grad_w, x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
+    return grad_x, grad_w, gate_grad.view(n, slots).to(gate.dtype)
