@@ -12,7 +12,9 @@ counting sort: `_count_pairs_kernel`, a cumsum, `_place_pairs_kernel`):
    is commutative, not associative). Under torch.use_deterministic_algorithms(True) each pair gets a row of
    its own instead, summed in a fixed order afterwards. The same kernel computes grad_x with the weight
    transposed, and its epilogue also yields the gate gradient (gate_grad = <x, grad @ W^T> is exactly the
-   un-gated grad_x contribution dotted with x), so the backward needs no recomputation of the forward.
+   un-gated grad_x contribution dotted with x), so the backward needs no recomputation of the forward. With
+   STORE off it writes nothing but that gate gradient (forward-oriented: <x @ W, grad>), for a backward whose
+   grad_x cuBLAS computes (`backward(dense_grad_x=True)`).
 2. `_weight_grad_kernel`: one program per (expert, D_in tile, D_out tile) walks that expert's pairs in a
    fixed order: deterministic, no atomics (the authors' CVMM uses atomics here). When that is too few programs
    for the GPU, each expert's pairs are cut into chunks with one program each, whose partial sums are added
