@@ -5,13 +5,18 @@
     python benchmarks/regime_fit.py a.md b.md ... --grid   # and the grid's best constants over all the tables
     python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 --regimes gather dense > g.md
     python benchmarks/regime_fit.py --bag g.md ...          # the embedding_bag's threshold (BAG_MAX_PAIRS)
+    python benchmarks/kernels.py --threads 1 --n 1 2 3 4 6 8 --regimes gather dense grouped > b.md
+    python benchmarks/regime_fit.py --gather-backward b.md ...   # the backward's (GATHER_BACKWARD_MAX_PAIRS)
 
 Reads the markdown rows of `--regimes dense grouped` tables (any table with the columns `case`, `N`, `dense fwd`,
 `dense bwd`, `grouped fwd`, `grouped bwd` and the cases of `benchmarks/kernels.py`). Each cell is scored by the time
 of the regime the rule picks over the better of the two; cells where the rule picks neither (combo, gather) and the
 backward of V-like shapes (always grouped) do not count. Printed: the geometric mean of that ratio and the worst cell,
 forward and backward. With --bag, `--regimes gather dense` tables instead: each forward cell scored with the gather
-(one embedding_bag) picked up to a number of (token, slot) pairs and dense above it, for several such numbers.
+(one embedding_bag) picked up to a number of (token, slot) pairs and dense above it, for several such numbers. With
+--gather-backward, `--regimes gather dense grouped` tables: each backward cell scored with the gather picked up to
+one number of pairs for input-expanding shapes (I <= R; above it grouped, as the rule has it) and another for
+input-contracting ones (above it dense), for every pair of such numbers.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ from switchhead.kernels.torch_paths import CpuCosts
 COLUMNS = ("dense fwd", "dense bwd", "grouped fwd", "grouped bwd")
 BAG_COLUMNS = ("gather fwd", "dense fwd")
 BAG_PAIRS = (4, 6, 8, 12, 16, 24, 32, 48, 64)  # thresholds --bag scores
-Cell = tuple[Case, int, bool, float, float]  # case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms)
+GATHER_BACKWARD_COLUMNS = ("gather bwd", "dense bwd", "grouped bwd")
+GATHER_BACKWARD_PAIRS = (0, 4, 6, 8, 12, 16, 24, 32)  # thresholds --gather-backward scores, for each kind of shape
+# case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms; --gather-backward: gather ms, the other's ms)
+Cell = tuple[Case, int, bool, float, float]
 
 
-def read_cells(text: str, bag: bool = False) -> list[Cell]:
-    """The cells of every table with the regimes' columns (--bag: the gather's and dense's forward only)."""
-    columns = BAG_COLUMNS if bag else COLUMNS
+def read_cells(text: str, bag: bool = False, gather_backward: bool = False) -> list[Cell]:
+    """The cells of every table with the regimes' columns (--bag: the gather's and dense's forward only;
+    --gather-backward: the gather's backward beside grouped's for input-expanding shapes, dense's for the others)."""
+    columns = BAG_COLUMNS if bag else GATHER_BACKWARD_COLUMNS if gather_backward else COLUMNS
     by_name = {c.name: c for c in CASES}
     cells: list[Cell] = []
     header: list[str] | None = None
@@ -42,10 +51,14 @@ def read_cells(text: str, bag: bool = False) -> list[Cell]:
         if line.startswith("| case |"):
             header = cols if all(c in cols for c in columns) else None
         elif header and line.startswith("|") and cols[0] in by_name:
-            row = dict(zip(header, cols))
-            pairs = [(False, columns)] if bag else [(False, COLUMNS[0::2]), (True, COLUMNS[1::2])]
+            row, case = dict(zip(header, cols)), by_name[cols[0]]
+            if gather_backward:
+                other = "grouped bwd" if torch_paths.dense_expands_inputs(case.n_in, case.n_out) else "dense bwd"
+                pairs = [(True, ("gather bwd", other))]
+            else:
+                pairs = [(False, columns)] if bag else [(False, COLUMNS[0::2]), (True, COLUMNS[1::2])]
             for backward, (a, b) in pairs:
-                cells.append((by_name[cols[0]], int(row["N"]), backward, float(row[a]), float(row[b])))
+                cells.append((case, int(row["N"]), backward, float(row[a]), float(row[b])))
     return cells
 
 
@@ -84,6 +97,17 @@ def score_bag(cells: list[Cell], max_pairs: int) -> tuple[float, float, str, int
     return _summary(scored)
 
 
+def score_gather_backward(cells: list[Cell], expand_pairs: int, contract_pairs: int) -> tuple[float, float, str, int]:
+    """The same for the gather backward picked up to `expand_pairs` pairs for input-expanding shapes and up to
+    `contract_pairs` for the others, the cell's other regime above."""
+    scored = []
+    for case, n, _, gather, other in cells:
+        expands = torch_paths.dense_expands_inputs(case.n_in, case.n_out)
+        pick = gather if n * case.slots <= (expand_pairs if expands else contract_pairs) else other
+        scored.append((pick / min(gather, other), f"{case.name} N={n}"))
+    return _summary(scored)
+
+
 def _row(label: str, cells: list[Cell], costs: CpuCosts) -> str:
     scores = (score(cells, costs, backward) for backward in (False, True))
     parts = [f"{m:.3f} (worst {w:.2f}, {where}; {k} cells)" for m, w, where, k in scores]
@@ -108,14 +132,29 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true", help="also search the constants that fit the tables best")
     parser.add_argument("--top", type=int, default=8, help="with --grid: how many of the best to show")
     parser.add_argument("--bag", action="store_true", help="score the embedding_bag's threshold on gather/dense tables")
+    parser.add_argument(
+        "--gather-backward", action="store_true", help="score the backward gather's thresholds (gather/dense/grouped)"
+    )
     args = parser.parse_args()
+    if args.bag and args.gather_backward:
+        parser.error("--bag and --gather-backward score different tables: one at a time")
+    wanted = "gather/dense" if args.bag else "gather/dense/grouped" if args.gather_backward else "dense/grouped"
     tables = {}
     for path in args.tables:
         with open(path) as f:
-            tables[path] = read_cells(f.read(), args.bag)
+            tables[path] = read_cells(f.read(), args.bag, args.gather_backward)
         if not tables[path]:
-            sys.exit(f"regime_fit.py: no {'gather/dense' if args.bag else 'dense/grouped'} rows in {path}")
+            sys.exit(f"regime_fit.py: no {wanted} rows in {path}")
     every = [cell for cells in tables.values() for cell in cells]
+    if args.gather_backward:
+        now = torch_paths.GATHER_BACKWARD_MAX_PAIRS
+        print(f"\n| expanding | contracting | backward over all tables (now {now['expand']}, {now['contract']}) |")
+        print("|---|---|---|")
+        for expand in GATHER_BACKWARD_PAIRS:
+            for contract in GATHER_BACKWARD_PAIRS:
+                mean, worst, where, count = score_gather_backward(every, expand, contract)
+                print(f"| {expand} | {contract} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
+        return
     if args.bag:
         print(f"\n| pairs | forward over all tables (BAG_MAX_PAIRS = {torch_paths.BAG_MAX_PAIRS}) |\n|---|---|")
         for pairs in BAG_PAIRS:

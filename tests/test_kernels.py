@@ -589,7 +589,8 @@ def test_frozen_weight(shape, name, backend):
         torch.testing.assert_close(g.cpu().double(), want, rtol=2e-5, atol=1e-4, msg=lambda m, w=what: f"{w}: {m}")
 
 
-PRODUCTS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::index_add_", "aten::embedding_bag"}
+PRODUCTS = {"aten::mm", "aten::mv", "aten::addr_", "aten::addmm", "aten::addmm_", "aten::bmm"}
+PRODUCTS |= {"aten::index_add_", "aten::embedding_bag"}
 
 
 @pytest.mark.parametrize("regime", REGIMES)
@@ -971,7 +972,8 @@ def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
 def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
     pinned to torch_paths' constants in fp32, for each kind of CPU: gather up to GATHER_MAX_PAIRS pairs
-    (BAG_MAX_PAIRS for a forward that runs as one embedding_bag), dense while its wasted MACs cost at most what
+    (BAG_MAX_PAIRS for a forward that runs as one embedding_bag, GATHER_BACKWARD_MAX_PAIRS by the shape's kind for
+    a backward), dense while its wasted MACs cost at most what
     grouped spends beside its GEMMs (per expert and per element of each pair's rows), combo's forward from
     COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not
     picked), its backward once a set fills COMBO_BACKWARD_BLOCK_SHARE of a block (BF16_COMBO_MIN_SEGMENTS_PER_SET
@@ -988,6 +990,10 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     assert choose(tp.BAG_MAX_PAIRS // k, **down, bag=True) == "gather"
     assert choose(tp.BAG_MAX_PAIRS // k + 1, **down, bag=True) == "dense"
     assert choose(tp.BAG_MAX_PAIRS // k, **down, backward=True, bag=True) == "dense"  # the bag is forward-only
+    contract, expand = tp.GATHER_BACKWARD_MAX_PAIRS["contract"], tp.GATHER_BACKWARD_MAX_PAIRS["expand"]
+    assert contract // k >= 1 and expand // k > contract // k + 1  # the shapes test what they say
+    assert choose(contract // k, **down, backward=True) == "gather"
+    assert choose(contract // k + 1, **down, backward=True) == "dense"
     waste = down["n_experts"] * min(down["n_in"], down["n_out"]) / k  # dense's MACs per useful MAC
     for backward in (False, True):
         # per pair: dense's wasted MACs less what grouped moves (64 + 64 elements)
@@ -1005,7 +1011,8 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     # sigma-MoE up (I = 1, R = S): the same waste, but its dense backward would recompute the forward
     up = dict(down, n_in=1, n_out=4)
     assert choose(tp.GATHER_MAX_PAIRS // k + 1, **up) == "dense"
-    assert choose(tp.GATHER_MAX_PAIRS // k + 1, **up, backward=True) == "grouped"
+    assert choose(expand // k, **up, backward=True) == "gather"
+    assert choose(expand // k + 1, **up, backward=True) == "grouped"
     # SwitchHead V (2 heads of 4 experts, k = 3): segments of 3 slots, C(4, 3) expert sets per head
     v = dict(n_in=1, slots=6, n_out=2, n_experts=8, d_in=20, d_out=12)
     n_combo = tp.COMBO_MIN_SEGMENTS_PER_SET * math.comb(4, 3)
@@ -1082,7 +1089,8 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
 def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     """`benchmarks/regime_fit.py`: every dense/grouped cell of a `--regimes` table scored by the time of the regime
     the rule picks over the better one's; combo cells, other tables and V-like backwards left out. With --bag, the
-    gather/dense forward cells scored for a threshold in (token, slot) pairs."""
+    gather/dense forward cells scored for a threshold in (token, slot) pairs; with --gather-backward, the gather's
+    backward cells for a threshold per kind of shape."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     names = ("regime_fit", "kernels")
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
@@ -1124,6 +1132,21 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     assert [(c[0].name, c[1], c[3], c[4]) for c in bag_cells] == [("47M O", 16, 9.0, 1.0)]
     assert regime_fit.score_bag(bag_cells, 16 * 6) == (pytest.approx(9.0), 9.0, "47M O N=16", 1)
     assert regime_fit.score_bag(bag_cells, 16 * 6 - 1) == (1.0, 1.0, "-", 1)
+    # --gather-backward: the gather's backward beside grouped's (V-like) or dense's (O-like), each kind of shape with
+    # its own threshold in pairs (47M V and O: S = 6)
+    backward_table = """
+| case | N | gather fwd | gather bwd | dense fwd | dense bwd | grouped fwd | grouped bwd | auto fwd / bwd |
+|---|---|---|---|---|---|---|---|---|
+| 47M V | 2 | 1.0 | 1.0 | 1.0 | 8.0 | 1.0 | 2.0 | - |
+| 47M O | 1 | 1.0 | 3.0 | 1.0 | 1.0 | 1.0 | 8.0 | - |
+"""
+    gb_cells = regime_fit.read_cells(backward_table, gather_backward=True)
+    assert [(c[0].name, c[1], c[2], c[3], c[4]) for c in gb_cells] == [
+        ("47M V", 2, True, 1.0, 2.0), ("47M O", 1, True, 3.0, 1.0)
+    ]
+    assert regime_fit.score_gather_backward(gb_cells, 12, 5) == (1.0, 1.0, "-", 2)
+    assert regime_fit.score_gather_backward(gb_cells, 11, 5) == (pytest.approx(2**0.5), 2.0, "47M V N=2", 2)
+    assert regime_fit.score_gather_backward(gb_cells, 12, 6) == (pytest.approx(3**0.5), 3.0, "47M O N=1", 2)
 
 
 def test_cuda_prefers_dense_follows_its_documented_rule():

@@ -41,9 +41,18 @@ Grads = tuple[Tensor, Tensor, Tensor]
 
 # Thresholds measured on 2-core CPUs, one torch thread, with `python benchmarks/kernels.py --threads 1 --n ...
 # --regimes ...` (docs/BENCHMARKS.md; the machines are shared and noisy: re-measure before trusting small
-# differences). Up to this many (token, slot) pairs a plain loop of vector-matrix products wins: it reads only the
-# selected experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
+# differences). Up to this many (token, slot) pairs a plain loop of vector-matrix products wins the forward: it reads
+# only the selected experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
 GATHER_MAX_PAIRS = 8
+# The backward's gather (a matrix-vector product and a rank-1 update per pair, each expert read and written in place)
+# stays ahead longer where the alternative is grouped (input-expanding shapes, whose dense backward would recompute
+# the forward) than where it is dense (input-contracting ones). `python benchmarks/kernels.py --threads 1 --n 1 2 3
+# 4 6 8 --regimes gather dense grouped`, two runs on an Intel Xeon VM, and one with `--dtype bfloat16 --n 1 2 3 4 6`,
+# scored by `python benchmarks/regime_fit.py --gather-backward` (docs/BENCHMARKS.md, "The backward's gather"): up to
+# (32, 4) pairs the picked backward takes 1.003x the better one's time in fp32 (worst 1.07x, 262M O at N = 1) and
+# 1.014x in bf16 (worst 1.24x), against 1.079x and 1.203x with 8 pairs for every shape (worst 1.65x, 47M V at N = 2,
+# and 2.14x).
+GATHER_BACKWARD_MAX_PAIRS = {"expand": 32, "contract": 4}
 # The forward's gather as one embedding_bag (`_bag_forward`: CPU, fp32/fp64) stays ahead of dense for more pairs:
 # `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense`, three runs on an Intel Xeon VM
 # with the calls in shuffled order, scored by `python benchmarks/regime_fit.py --bag` (docs/BENCHMARKS.md, "The
@@ -192,7 +201,11 @@ def choose_regime(
 ) -> Regime:
     """The regime for these shapes; `bag`: the forward's gather would run as one embedding_bag; `costs`: those of
     this kind of CPU (`this_cpu()`) unless given."""
-    if n * slots <= (BAG_MAX_PAIRS if bag and not backward else GATHER_MAX_PAIRS):
+    if backward:
+        gather_max = GATHER_BACKWARD_MAX_PAIRS["expand" if dense_expands_inputs(n_in, n_out) else "contract"]
+    else:
+        gather_max = BAG_MAX_PAIRS if bag else GATHER_MAX_PAIRS
+    if n * slots <= gather_max:
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
     useful_macs = n * slots * d_in * d_out
@@ -326,12 +339,14 @@ def gather_backward(
 ) -> Grads:
     n, slots = index.shape
     acc = _acc_dtype(x)
-    flat = index.reshape(-1)
-    w = weight.index_select(0, flat).to(x.dtype)  # [P, D_in, D_out]
     d_in, d_out = weight.shape[1:]  # named, not -1: with no tokens a -1 would be ambiguous
+    experts = index.reshape(-1).tolist()
     xs = _per_slot(x, slots).reshape(n * slots, d_in)
-    gs = _per_slot(grad, slots).reshape(n * slots, 1, d_out).to(x.dtype)
-    u = torch.bmm(gs, w.transpose(1, 2)).view(n * slots, d_in).to(acc)  # un-gated; <x, u> is the gate gradient
+    gs = _per_slot(grad, slots).reshape(n * slots, d_out).to(x.dtype)
+    # One matrix-vector product per pair, each expert's matrix read where it lies (no copy of the P matrices).
+    # Un-gated: <x, u> is the gate gradient.
+    u = torch.stack([weight[e].to(x.dtype) @ gs[p] for p, e in enumerate(experts)]) if experts else xs[:0]
+    u = u.to(acc)
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     g = gate.reshape(-1, 1).to(acc) if gate is not None else None
     if g is not None:
@@ -341,10 +356,12 @@ def gather_backward(
     grad_x = _reduce_slots(u.view(n, slots, d_in), x.shape[1]).to(x.dtype)
     if not need_weight_grad:
         return grad_x, weight.new_empty(0), grad_gate
-    if g is not None:  # the weight gradient's side of the gate
-        gs = (gs.view(n * slots, d_out).to(acc) * g).to(x.dtype)
-    outer = xs.unsqueeze(2).to(acc) * gs.view(n * slots, 1, d_out).to(acc)  # [P, D_in, D_out]
-    grad_w = weight.new_zeros(weight.shape, dtype=acc).index_add_(0, flat, outer).to(weight.dtype)  # contiguous
+    gs = gs.to(acc) * g if g is not None else gs.to(acc)  # the weight gradient's side of the gate
+    # One rank-1 update per pair into the zeroed gradient: no [P, D_in, D_out] outer products to add in afterwards.
+    grad_w = weight.new_zeros(weight.shape, dtype=acc)
+    for p, e in enumerate(experts):
+        grad_w[e].addr_(xs[p].to(acc), gs[p])
+    grad_w = grad_w.to(weight.dtype)
     return grad_x, grad_w, grad_gate
 
 
