@@ -229,9 +229,9 @@ def choose_regime(
         # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
         # 1.36 vs 0.61 ms, `python benchmarks/kernels.py --threads 1 --n 16 64 256 --regimes dense grouped`). Not so
         # everywhere since: on the Intel VM, at 92d429a, `--n 6 8 12 16 24 32 48 64` and `--n 128 256 512 1024 2048`
-        # gave 47M V dense 1.17-1.28 vs grouped 2.10-2.25 ms at N = 16, dense 0.55-0.85x grouped up to N = 128 and
-        # 0.97-1.06x from 256 to 2048; 262M V grouped from N ~ 8 (1.2-1.5x dense's time at 24-64); sigma-MoE up about
-        # even up to N ~ 32. No rule has been fitted to that yet.
+        # gave 47M V dense 1.17-1.28 vs grouped 2.10-2.25 ms at N = 16, dense 0.56-0.97x grouped's time from N = 6
+        # to 128 and 1.00-1.06x from 256 to 2048; 262M V grouped from N ~ 8 (dense 1.13-1.58x its time at N = 24-64);
+        # sigma-MoE up about even up to N ~ 32 (0.94-1.08x). No rule has been fitted to that yet.
         return "grouped"
     costs = costs or CPU_COSTS[this_cpu()]
     moved = costs.per_element[backward] * n * slots * (d_in + d_out)
