@@ -386,16 +386,14 @@ def _gate_matrix(gate: Tensor | None, pos: Tensor, cells: int, dtype) -> Tensor:
 
 def _coefficients(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype) -> Tensor:
     """C[n, r * E + e, i] = sum of the gates of the slots that read row i through expert e into output row r."""
-    n, slots = index.shape
-    r = _slot_rows(slots, n_out, index.device)
-    i = _slot_rows(slots, n_in, index.device)
-    c = _gate_matrix(gate, (r * n_experts + index) * n_in + i, n_out * n_experts * n_in, dtype)
-    return c.view(n, n_out * n_experts, n_in)
+    pos = _expert_rows(index, n_out, n_experts) * n_in + _slot_rows(index.shape[1], n_in, index.device)
+    return _gate_matrix(gate, pos, n_out * n_experts * n_in, dtype).view(index.shape[0], n_out * n_experts, n_in)
 
 
-def _expert_rows(index: Tensor, n_in: int, n_experts: int) -> Tensor:
-    """[N, S]: the row i * E + e of a token's `_all_experts` that each slot reads (input row i, expert e)."""
-    return _slot_rows(index.shape[1], n_in, index.device) * n_experts + index
+def _expert_rows(index: Tensor, rows: int, n_experts: int) -> Tensor:
+    """[N, S]: row * E + expert for each slot, its row among `rows` (input rows: the row of a token's `_all_experts`
+    it reads; output rows: the row of dense_backward's grad_z it takes)."""
+    return _slot_rows(index.shape[1], rows, index.device) * n_experts + index
 
 
 def _all_experts(x: Tensor, weight: Tensor) -> Tensor:
@@ -509,7 +507,7 @@ def dense_backward(
         # Each slot's row of grad_z taken with one index_select over the flattened rows (gather along dim 1 is
         # the generic indexing kernel, several times slower); a head's slots read the same input row and lie
         # side by side, so one small bmm per (token, input row) dots them with it, without copying x's rows.
-        sel = _slot_rows(slots, n_out, x.device) * n_experts + index
+        sel = _expert_rows(index, n_out, n_experts)
         pick = (torch.arange(n, device=x.device).unsqueeze(1) * (n_out * n_experts) + sel).view(-1)
         gz = grad_z.reshape(-1, d_in).index_select(0, pick).to(acc).view(n * n_in, slots // n_in, d_in)
         grad_gate = torch.bmm(gz, x.to(acc).reshape(n * n_in, d_in, 1)).view(n, slots).to(gate.dtype)
