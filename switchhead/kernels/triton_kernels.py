@@ -690,20 +690,21 @@ def backward(
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
     n_out, slots = grad.shape[1], index.shape[1]
+    grad = grad.to(x.dtype)
     need_gate_grad = gate is not None and need_gate_grad
     cublas_w = dense_grad_w and need_weight_grad
     grad_x = grad_w = gate_grad = None
     if dense_grad_x:
         # the gated gradients serve the weight gradient too where they are the narrower operand
         shared = cublas_w and torch_paths.dense_expands_inputs(n_in, n_out)
-        grad_x, grad_w = torch_paths.dense_expanded_grads(grad.to(x.dtype), x, weight, index, gate, True, shared)
+        grad_x, grad_w = torch_paths.dense_expanded_grads(grad, x, weight, index, gate, True, shared)
         grad_w = grad_w if shared else None
     if cublas_w and grad_w is None:
-        grad_w = torch_paths.dense_weight_grad(grad.to(x.dtype), x, weight, index, gate)
+        grad_w = torch_paths.dense_weight_grad(grad, x, weight, index, gate)
     kernel_w = need_weight_grad and not cublas_w
     if grad_x is None or need_gate_grad or kernel_w:  # work left for the kernels
         d_in_p, d_out_p = _aligned(d_in, ALIGN), _aligned(d_out, ALIGN)
-        x2, g2 = _rows(x, d_in_p), _rows(grad.to(x.dtype), d_out_p)
+        x2, g2 = _rows(x, d_in_p), _rows(grad, d_out_p)
         w = _padded_weight(weight, d_in_p, d_out_p)
         flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
         order, offsets = _sort_pairs(index, n_experts)
