@@ -973,12 +973,11 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
     pinned to torch_paths' constants in fp32, for each kind of CPU: gather up to GATHER_MAX_PAIRS pairs
     (BAG_MAX_PAIRS for a forward that runs as one embedding_bag, GATHER_BACKWARD_MAX_PAIRS by the shape's kind for
-    a backward), dense while its wasted MACs cost at most what
-    grouped spends beside its GEMMs (per expert and per element of each pair's rows), combo's forward from
-    COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not
-    picked), its backward once a set fills COMBO_BACKWARD_BLOCK_SHARE of a block (BF16_COMBO_MIN_SEGMENTS_PER_SET
-    for both in bf16 on a CPU with bf16 instructions), and never dense for the backward of inputs expanded to every
-    expert."""
+    a backward), dense while its wasted MACs cost at most what grouped spends beside its GEMMs (per expert and per
+    element of each pair's rows), combo's forward from COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from
+    COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not picked), its backward once a set fills
+    COMBO_BACKWARD_BLOCK_SHARE of a block (BF16_COMBO_MIN_SEGMENTS_PER_SET for both in bf16 on a CPU with bf16
+    instructions), and never dense for the backward of inputs expanded to every expert."""
     tp = torch_paths
     costs = tp.CPU_COSTS[cpu]
     choose = functools.partial(tp.choose_regime, costs=costs)
