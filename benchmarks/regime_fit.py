@@ -4,7 +4,7 @@
     python benchmarks/regime_fit.py a.md b.md ...          # each CPU_COSTS kind, per table and over all of them
     python benchmarks/regime_fit.py a.md b.md ... --grid   # and the grid's best constants over all the tables
     python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 --regimes gather dense > g.md
-    python benchmarks/regime_fit.py --bag g.md ...          # the embedding_bag's threshold (BAG_MAX_PAIRS)
+    python benchmarks/regime_fit.py --bag g.md ...          # the embedding_bag's threshold (bag_max_pairs)
     python benchmarks/kernels.py --threads 1 --n 1 2 3 4 6 8 --regimes gather dense grouped > b.md
     python benchmarks/regime_fit.py --gather-backward b.md ...   # the backward's (GATHER_BACKWARD_MAX_PAIRS)
 
@@ -32,7 +32,7 @@ from switchhead.kernels.torch_paths import CpuCosts
 
 COLUMNS = ("dense fwd", "dense bwd", "grouped fwd", "grouped bwd")
 BAG_COLUMNS = ("gather fwd", "dense fwd")
-BAG_PAIRS = (4, 6, 8, 12, 16, 24, 32, 48, 64)  # thresholds --bag scores
+BAG_PAIRS = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # thresholds --bag scores
 GATHER_BACKWARD_COLUMNS = ("gather bwd", "dense bwd", "grouped bwd")
 GATHER_BACKWARD_PAIRS = (0, 4, 6, 8, 12, 16, 24, 32)  # thresholds --gather-backward scores, for each kind of shape
 # case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms; --gather-backward: gather ms, the other's ms)
@@ -156,7 +156,8 @@ def main() -> None:
                 print(f"| {expand} | {contract} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
         return
     if args.bag:
-        print(f"\n| pairs | forward over all tables (BAG_MAX_PAIRS = {torch_paths.BAG_MAX_PAIRS}) |\n|---|---|")
+        now = ", ".join(f"{kind} {costs.bag_max_pairs}" for kind, costs in torch_paths.CPU_COSTS.items())
+        print(f"\n| pairs | forward over all tables (now {now}) |\n|---|---|")
         for pairs in BAG_PAIRS:
             mean, worst, where, count = score_bag(every, pairs)
             print(f"| {pairs} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")

@@ -971,9 +971,9 @@ def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
 @pytest.mark.parametrize("cpu", sorted(torch_paths.CPU_COSTS))
 def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
-    pinned to torch_paths' constants in fp32, for each kind of CPU: gather up to GATHER_MAX_PAIRS pairs
-    (BAG_MAX_PAIRS for a forward that runs as one embedding_bag, GATHER_BACKWARD_MAX_PAIRS by the shape's kind for
-    a backward), dense while its wasted MACs cost at most what grouped spends beside its GEMMs (per expert and per
+    pinned to torch_paths' constants in fp32, for each kind of CPU: gather up to GATHER_MAX_PAIRS pairs (the
+    kind's bag_max_pairs for a forward that runs as one embedding_bag, GATHER_BACKWARD_MAX_PAIRS by the shape's kind
+    for a backward), dense while its wasted MACs cost at most what grouped spends beside its GEMMs (per expert and per
     element of each pair's rows), combo's forward from COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from
     COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not picked), its backward once a set fills
     COMBO_BACKWARD_BLOCK_SHARE of a block (BF16_COMBO_MIN_SEGMENTS_PER_SET for both in bf16 on a CPU with bf16
@@ -986,9 +986,9 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     k = down["slots"]
     assert choose(tp.GATHER_MAX_PAIRS // k, **down) == "gather"
     assert choose(tp.GATHER_MAX_PAIRS // k + 1, **down) == "dense"
-    assert choose(tp.BAG_MAX_PAIRS // k, **down, bag=True) == "gather"
-    assert choose(tp.BAG_MAX_PAIRS // k + 1, **down, bag=True) == "dense"
-    assert choose(tp.BAG_MAX_PAIRS // k, **down, backward=True, bag=True) == "dense"  # the bag is forward-only
+    assert choose(costs.bag_max_pairs // k, **down, bag=True) == "gather"
+    assert choose(costs.bag_max_pairs // k + 1, **down, bag=True) == "dense"
+    assert choose(costs.bag_max_pairs // k, **down, backward=True, bag=True) == "dense"  # the bag is forward-only
     contract, expand = tp.GATHER_BACKWARD_MAX_PAIRS["contract"], tp.GATHER_BACKWARD_MAX_PAIRS["expand"]
     assert contract // k >= 1 and expand // k > contract // k + 1  # the shapes test what they say
     assert choose(contract // k, **down, backward=True) == "gather"
@@ -998,7 +998,7 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
         # per pair: dense's wasted MACs less what grouped moves (64 + 64 elements)
         saved = (waste - 1) * 64 * 64 - costs.per_element[backward] * (64 + 64)
         n_dense = int(down["n_experts"] * costs.per_expert[backward] // (k * saved))
-        assert n_dense > tp.BAG_MAX_PAIRS  # the shape tests what it says
+        assert n_dense > costs.bag_max_pairs  # the shape tests what it says
         assert choose(n_dense, **down, backward=backward) == "dense"
         assert choose(n_dense + 1, **down, backward=backward) == "grouped"
         # rows so narrow that moving them costs grouped more than dense wastes: dense at any N, on a CPU where
@@ -1074,7 +1074,7 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
                 assert tp.this_cpu() == ("intel-avx512" if intel and capability == "AVX512" else "default")
             finally:
                 tp.this_cpu.cache_clear()
-    # the choice follows whichever kind it is: 262M O's backward is dense up to N ~ 270 on one, ~30 on the other
+    # the choice follows whichever kind it is: 262M O's backward is dense up to N ~ 270 on one, ~42 on the other
     o = dict(n_in=4, slots=8, n_out=1, n_experts=16, d_in=112, d_out=1024, backward=True)
     for kind in ("intel-avx512", "default"):
         monkeypatch.setattr(tp, "this_cpu", lambda k=kind: k)
@@ -1083,6 +1083,12 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
     # ... and the two kinds differ there
     assert tp.choose_regime(64, **o, costs=tp.CPU_COSTS["default"]) == "grouped"
     assert tp.choose_regime(64, **o, costs=tp.CPU_COSTS["intel-avx512"]) == "dense"
+    # ... and so does the embedding_bag's threshold, of a forward just past the smaller one
+    default, intel = tp.CPU_COSTS["default"], tp.CPU_COSTS["intel-avx512"]
+    down = dict(n_in=4, slots=4, n_out=1, n_experts=16, d_in=64, d_out=64, bag=True)
+    n = min(default.bag_max_pairs, intel.bag_max_pairs) // 4 + 1
+    picks = {kind: tp.choose_regime(n, **down, costs=tp.CPU_COSTS[kind]) for kind in ("default", "intel-avx512")}
+    assert sorted(picks.values()) == ["dense", "gather"]
 
 
 def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):

@@ -53,32 +53,36 @@ GATHER_MAX_PAIRS = 8
 # 1.014x in bf16 (worst 1.24x), against 1.079x and 1.203x with 8 pairs for every shape (worst 1.65x, 47M V at N = 2,
 # and 2.14x).
 GATHER_BACKWARD_MAX_PAIRS = {"expand": 32, "contract": 4}
-# The forward's gather as one embedding_bag (`_bag_forward`: CPU, fp32/fp64) stays ahead of dense for more pairs:
-# `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense`, three runs on an Intel Xeon VM
-# with the calls in shuffled order, scored by `python benchmarks/regime_fit.py --bag` (docs/BENCHMARKS.md, "The
-# embedding_bag's threshold in shuffled order"): the crossover lies between 6 pairs (47M O) and 32 (sigma-MoE up);
-# up to 16 pairs the bag loses 1.008x the better regime's time in the geometric mean (worst 1.25x, 47M O at N = 2),
-# up to 64 (the count read off tables timed in a fixed order, which flattered the bag: there dense's forward always
-# ran right after the gather's backward) 1.199x (worst 3.14x, 262M O at N = 8).
-BAG_MAX_PAIRS = 16
 
 
 class CpuCosts(NamedTuple):
     """What the fp32 regimes cost beside their useful multiply-adds on one kind of CPU, in multiply-adds at the rate
     of dense's one big GEMM. Dense wastes (E*min(I, R)/S - 1) times the useful MACs, while grouped pays a roughly
     fixed cost per expert (sort, launches, small GEMMs) and one per element of each pair's input and output row
-    (gathers, index_adds, GEMMs narrower than dense's): dense while the waste costs less."""
+    (gathers, index_adds, GEMMs narrower than dense's): dense while the waste costs less. Below both, up to
+    `bag_max_pairs` (token, slot) pairs, the forward's gather runs as one embedding_bag (`_bag_forward`: fp32/fp64),
+    which reads only the chosen experts."""
 
     per_expert: tuple[float, float]  # forward, backward
     per_element: tuple[float, float]  # forward, backward
+    bag_max_pairs: int
 
 
 CPU_COSTS = {
-    # AMD EPYC VMs, with AVX2 or with AVX-512 (see "intel-avx512" for why not by instruction set).
-    # `python benchmarks/kernels.py --threads 1 --n 16 32 64 128 256 4096`, dense vs grouped forward: the crossover
-    # at N ~ 140 tokens for 47M (47M O: 1.12 vs 1.27 ms at N = 128, 2.15 vs 1.96 ms at N = 256), N ~ 30 for 262M
-    # (262M V: 1.18 vs 1.34 ms at N = 16, 1.80 vs 1.48 ms at N = 32) and N ~ 44 for sigma-MoE (measured: ~30).
-    "default": CpuCosts(per_expert=(1.75e6, 1.75e6), per_element=(0.0, 0.0)),
+    # AMD EPYC VMs, with AVX2 or with AVX-512 (see "intel-avx512" for why not by instruction set). Fitted on an
+    # AVX2 EPYC (Zen 3) VM to five `--regimes dense grouped` runs with the calls in shuffled order (`--n 16 32 ...
+    # 2048` twice, `--n 24 48 ... 3072`, `--n 40 80 ... 1280`, `--n 20 28 56 ... 1792`): per_expert as first read
+    # off fixed-order tables, plus a per-element term, which never loses to the constants without it on any of the
+    # five (geometric mean 1.003-1.014x the better regime's time forward, 1.000-1.001x in the O-like backward,
+    # against 1.003-1.021x and 1.007-1.020x; the most in one cell 1.24x, sigma-MoE up forward at N = 48, against 1.25x,
+    # 262M O backward at N = 32). Crossovers: N ~ 400 for 47M (within 10 % either way from N = 160 to 512: 47M O
+    # at N = 256 dense 2.02 vs 2.20-2.31 ms forward), ~42 for 262M, ~48 for sigma-MoE.
+    # The bag: `--n 1 2 4 8 16 32 64 --regimes gather dense` twice and `--n 3 5 6 10 12` once, scored by
+    # `benchmarks/regime_fit.py --bag`: up to 64 pairs it takes 1.025x the better forward's time in the geometric
+    # mean (worst 1.43x, sigma-MoE down at N = 32, where the bag is still ahead), up to 16 (the Intel VM's count)
+    # 1.139x (worst 2.23x, sigma-MoE up at N = 5), up to 32 or 128 1.060x and 1.038x: dense's GEMMs run slower
+    # here than there while the bag's row reads do not.
+    "default": CpuCosts(per_expert=(1.75e6, 1.75e6), per_element=(28.0, 28.0), bag_max_pairs=64),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
     # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
     # while the gathers take longer. `--n 16 32 ... 2048` and `--n 24 48 ... 3072 --regimes dense grouped`: round
@@ -89,7 +93,12 @@ CPU_COSTS = {
     # 8.52 ms forward, 15.49 vs 15.29 ms backward); 262M and sigma-MoE forward at N ~ 70 (262M V 2.76 vs 3.54 ms at
     # N = 64, 6.38 vs 4.96 at 128), their O-like backward at N ~ 270 and 165 (262M O 10.87 vs 13.81 ms at N = 128;
     # sigma-MoE down 5.09 vs 6.12 at 128, 9.59 vs 7.30 at 256).
-    "intel-avx512": CpuCosts(per_expert=(2.5e6, 5e6), per_element=(40.0, 68.0)),
+    # The bag: `python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 --regimes gather dense`, three runs
+    # scored by `python benchmarks/regime_fit.py --bag` (docs/BENCHMARKS.md, "The embedding_bag's threshold in
+    # shuffled order"): the crossover lies between 6 pairs (47M O) and 32 (sigma-MoE up); up to 16 pairs the bag
+    # loses 1.008x the better regime's time in the geometric mean (worst 1.25x, 47M O at N = 2), up to 64 1.199x
+    # (worst 3.14x, 262M O at N = 8).
+    "intel-avx512": CpuCosts(per_expert=(2.5e6, 5e6), per_element=(40.0, 68.0), bag_max_pairs=16),
 }
 
 
@@ -201,10 +210,11 @@ def choose_regime(
 ) -> Regime:
     """The regime for these shapes; `bag`: the forward's gather would run as one embedding_bag; `costs`: those of
     this kind of CPU (`this_cpu()`) unless given."""
+    costs = costs or CPU_COSTS[this_cpu()]
     if backward:
         gather_max = GATHER_BACKWARD_MAX_PAIRS["expand" if dense_expands_inputs(n_in, n_out) else "contract"]
     else:
-        gather_max = BAG_MAX_PAIRS if bag else GATHER_MAX_PAIRS
+        gather_max = costs.bag_max_pairs if bag else GATHER_MAX_PAIRS
     if n * slots <= gather_max:
         return "gather"
     waste = n_experts * min(n_in, n_out) / slots
@@ -233,7 +243,6 @@ def choose_regime(
         # to 128 and 1.00-1.06x from 256 to 2048; 262M V grouped from N ~ 8 (dense 1.13-1.58x its time at N = 24-64);
         # sigma-MoE up about even up to N ~ 32 (0.94-1.08x). No rule has been fitted to that yet.
         return "grouped"
-    costs = costs or CPU_COSTS[this_cpu()]
     moved = costs.per_element[backward] * n * slots * (d_in + d_out)
     if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[backward]:
         return "dense"
