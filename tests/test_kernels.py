@@ -208,8 +208,11 @@ def test_blocks_add_up(shape, dtype, regime, buffers, monkeypatch):
 @pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "copied"])
 def test_dense_weight_broadcast_or_copied(shape, broadcast, monkeypatch):
     """The dense path multiplies every expert by a broadcast batched matmul (few rows) or by the weight copied
-    side by side into one GEMM (DENSE_BROADCAST_MAX_ROWS); both lay the products out alike for the gates."""
+    side by side into one GEMM (DENSE_BROADCAST_MAX_ROWS); both lay the products out alike for the gates. Its
+    backward likewise takes grad_x and the weight gradient one expert at a time against the weight as it lies, or
+    against the copy (DENSE_SPLIT_MAX_ROWS)."""
     monkeypatch.setattr(torch_paths, "DENSE_BROADCAST_MAX_ROWS", 1 << 62 if broadcast else 0)
+    monkeypatch.setattr(torch_paths, "DENSE_SPLIT_MAX_ROWS", 1 << 62 if broadcast else 0)
     assert torch_paths.dense_expands_inputs(shape.n_in, shape.n_out)  # the shapes take that path
     exact, cast = make(shape)
     assert_matches(via_regime(shape, cast, "dense"), naive_all(shape, exact), torch.float32)

@@ -153,6 +153,16 @@ COMBO_BACKWARD_BLOCK_SHARE = 0.35
 # N = 96, 1.13-1.42x for 262M V and 1.22-1.68x for sigma-MoE up up to 256 rows; from 512 rows it is 47M V's
 # better (0.90-0.94x). Shapes that contract their inputs (O-like) do not take this path. (Was 64.)
 DENSE_BROADCAST_MAX_ROWS = 256
+# Up to this many input rows the dense backward of input-expanding shapes takes grad_x and the weight gradient as
+# one small product per expert against the weight where it lies (grad_x summed over the experts, the weight gradient
+# written in its own layout); above it, as one GEMM each against the experts side by side, which first copies the
+# weight into that layout and then the gradient back out of it: at a few rows the two weight-sized copies cost more
+# than the products, and their time swings 2-3x between runs (fresh pages). CPU only. `python benchmarks/kernels.py
+# --threads 1 --n 1 2 4 8 16 32 48 64 96 --regimes dense --against 58594bd` (copies at every size), twice on an
+# AMD EPYC VM: the dense backward in 0.31-0.40x the time for 262M V at N = 1, 0.65-0.85x from 2 to 16, 0.92-0.95x at
+# 32; sigma-MoE up 0.41-0.84x from 1 to 32; 47M V 0.32-0.97x; even (0.97-1.03x) from 48 rows, where the copies have
+# caught up. fp32/fp64 only: at half precision each expert's partial sum would be rounded.
+DENSE_SPLIT_MAX_ROWS = 48
 # grouped and combo work on blocks of segments with the same experts, of at most this many elements in their widest
 # operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Swept by
 # `python benchmarks/kernels.py --threads 1 --n 256 4096 --block-elements 65536 262144 1048576 0`: at N = 4096
@@ -460,11 +470,17 @@ def dense_expanded_grads(
     dtype = dtype or x.dtype
     c = _output_gates(index, gate, n_in, grad.shape[1], n_experts, dtype)
     grad_y = torch.bmm(c.transpose(1, 2), grad.to(dtype)).view(n * n_in, n_experts * d_out).to(x.dtype)
+    x_t = x.reshape(n * n_in, d_in).t()
+    if n * n_in <= DENSE_SPLIT_MAX_ROWS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        gy = grad_y.view(n * n_in, n_experts, d_out).transpose(0, 1)  # [E, N*I, D_out]
+        grad_x = torch.bmm(gy, weight.transpose(1, 2)).sum(0).view_as(x) if need_grad_x else x.new_empty(0)
+        if not need_weight_grad:
+            return grad_x, weight.new_empty(0)
+        return grad_x, torch.bmm(x_t.unsqueeze(0).expand(n_experts, d_in, n * n_in), gy)
     grad_x = (grad_y @ _experts_side_by_side(weight).t()).view_as(x) if need_grad_x else x.new_empty(0)
     if not need_weight_grad:
         return grad_x, weight.new_empty(0)
-    grad_w_cat = x.reshape(n * n_in, d_in).t() @ grad_y
-    return grad_x, grad_w_cat.view(d_in, n_experts, d_out).permute(1, 0, 2).contiguous()
+    return grad_x, (x_t @ grad_y).view(d_in, n_experts, d_out).permute(1, 0, 2).contiguous()
 
 
 def _contracted_weight_grad(c: Tensor, x: Tensor, g2: Tensor, weight: Tensor) -> Tensor:
