@@ -6,17 +6,18 @@
     python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 --regimes gather dense > g.md
     python benchmarks/regime_fit.py --bag g.md ...          # the embedding_bag's threshold (bag_max_pairs)
     python benchmarks/kernels.py --threads 1 --n 1 2 3 4 6 8 --regimes gather dense grouped > b.md
-    python benchmarks/regime_fit.py --gather-backward b.md ...   # the backward's (GATHER_BACKWARD_MAX_PAIRS)
+    python benchmarks/regime_fit.py --gather-backward b.md ...   # the backward's (gather_backward_max_pairs)
 
 Reads the markdown rows of `--regimes dense grouped` tables (any table with the columns `case`, `N`, `dense fwd`,
 `dense bwd`, `grouped fwd`, `grouped bwd` and the cases of `benchmarks/kernels.py`). Each cell is scored by the time
-of the regime the rule picks over the better of the two; cells where the rule picks neither (combo, gather) and the
-backward of V-like shapes (always grouped) do not count. Printed: the geometric mean of that ratio and the worst cell,
-forward and backward. With --bag, `--regimes gather dense` tables instead: each forward cell scored with the gather
-(one embedding_bag) picked up to a number of (token, slot) pairs and dense above it, for several such numbers. With
---gather-backward, `--regimes gather dense grouped` tables: each backward cell scored with the gather picked up to
-one number of pairs for input-expanding shapes (I <= R; above it grouped, as the rule has it) and another for
-input-contracting ones (above it dense), for every pair of such numbers.
+of the regime the rule picks over the better of the two; cells where the rule picks neither (combo, gather) do not
+count. Printed: the geometric mean of that ratio and the worst cell, for each pass with its own constants (forward,
+backward of input-contracting shapes, backward of input-expanding ones). With --bag, `--regimes gather dense` tables
+instead: each forward cell scored with the gather (one embedding_bag) picked up to a number of (token, slot) pairs
+and dense above it, for several such numbers. With --gather-backward, `--regimes gather dense grouped` tables: each
+backward cell scored with the gather picked up to one number of pairs for input-expanding shapes (I <= R) and another
+for input-contracting ones, for every pair of such numbers; above them the regime each kind's rule picks without the
+gather (dense or grouped).
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ BAG_COLUMNS = ("gather fwd", "dense fwd")
 BAG_PAIRS = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # thresholds --bag scores
 GATHER_BACKWARD_COLUMNS = ("gather bwd", "dense bwd", "grouped bwd")
 GATHER_BACKWARD_PAIRS = (0, 4, 6, 8, 12, 16, 24, 32)  # thresholds --gather-backward scores, for each kind of shape
-# case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms; --gather-backward: gather ms, the other's ms)
-Cell = tuple[Case, int, bool, float, float]
+PASSES = ("forward", "backward (I > R)", "backward (I <= R)")  # CpuCosts' constants, by `torch_paths.cost_pass`
+# case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms; --gather-backward: gather ms, dense ms, and
+# grouped ms as a sixth item)
+Cell = tuple
 
 
 def read_cells(text: str, bag: bool = False, gather_backward: bool = False) -> list[Cell]:
     """The cells of every table with the regimes' columns (--bag: the gather's and dense's forward only;
-    --gather-backward: the gather's backward beside grouped's for input-expanding shapes, dense's for the others)."""
+    --gather-backward: the gather's backward beside dense's and grouped's)."""
     columns = BAG_COLUMNS if bag else GATHER_BACKWARD_COLUMNS if gather_backward else COLUMNS
     by_name = {c.name: c for c in CASES}
     cells: list[Cell] = []
@@ -53,10 +56,9 @@ def read_cells(text: str, bag: bool = False, gather_backward: bool = False) -> l
         elif header and line.startswith("|") and cols[0] in by_name:
             row, case = dict(zip(header, cols)), by_name[cols[0]]
             if gather_backward:
-                other = "grouped bwd" if torch_paths.dense_expands_inputs(case.n_in, case.n_out) else "dense bwd"
-                pairs = [(True, ("gather bwd", other))]
-            else:
-                pairs = [(False, columns)] if bag else [(False, COLUMNS[0::2]), (True, COLUMNS[1::2])]
+                cells.append((case, int(row["N"]), True, *(float(row[c]) for c in GATHER_BACKWARD_COLUMNS)))
+                continue
+            pairs = [(False, columns)] if bag else [(False, COLUMNS[0::2]), (True, COLUMNS[1::2])]
             for backward, (a, b) in pairs:
                 cells.append((case, int(row["N"]), backward, float(row[a]), float(row[b])))
     return cells
@@ -69,20 +71,19 @@ def _summary(scored: list[tuple[float, str]]) -> tuple[float, float, str, int]:
     return mean, max(worst, 1.0), where if worst > 1.0 else "-", len(scored)
 
 
-def _pick(cell: Cell, costs: CpuCosts) -> str:
-    case, n, backward, _, _ = cell
+def _pick(case: Case, n: int, backward: bool, costs: CpuCosts) -> str:
     shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
     return torch_paths.choose_regime(*shape, backward, costs=costs)
 
 
-def score(cells: list[Cell], costs: CpuCosts, backward: bool) -> tuple[float, float, str, int]:
-    """Geometric mean of picked / best time, the worst ratio, its cell, and the number of cells scored."""
+def score(cells: list[Cell], costs: CpuCosts, pass_: int) -> tuple[float, float, str, int]:
+    """Geometric mean of picked / best time over the cells of this pass (`torch_paths.cost_pass`), the worst ratio,
+    its cell, and the number of cells scored."""
     scored = []
-    for cell in cells:
-        case, n, bwd, dense, grouped = cell
-        if bwd != backward or (bwd and case.n_in <= case.n_out):
+    for case, n, bwd, dense, grouped in cells:
+        if torch_paths.cost_pass(bwd, case.n_in, case.n_out) != pass_:
             continue
-        pick = _pick(cell, costs)
+        pick = _pick(case, n, bwd, costs)
         if pick in ("dense", "grouped"):
             scored.append(((dense if pick == "dense" else grouped) / min(dense, grouped), f"{case.name} N={n}"))
     return _summary(scored)
@@ -97,31 +98,37 @@ def score_bag(cells: list[Cell], max_pairs: int) -> tuple[float, float, str, int
     return _summary(scored)
 
 
-def score_gather_backward(cells: list[Cell], expand_pairs: int, contract_pairs: int) -> tuple[float, float, str, int]:
+def score_gather_backward(
+    cells: list[Cell], expand_pairs: int, contract_pairs: int, costs: CpuCosts
+) -> tuple[float, float, str, int]:
     """The same for the gather backward picked up to `expand_pairs` pairs for input-expanding shapes and up to
-    `contract_pairs` for the others, the cell's other regime above."""
+    `contract_pairs` for the others, above them the regime (dense or grouped) that `costs` picks without it."""
     scored = []
-    for case, n, _, gather, other in cells:
+    no_gather = costs._replace(gather_backward_max_pairs=(0, 0))
+    for case, n, _, gather, dense, grouped in cells:
         expands = torch_paths.dense_expands_inputs(case.n_in, case.n_out)
+        other = dense if _pick(case, n, True, no_gather) == "dense" else grouped
         pick = gather if n * case.slots <= (expand_pairs if expands else contract_pairs) else other
         scored.append((pick / min(gather, other), f"{case.name} N={n}"))
     return _summary(scored)
 
 
 def _row(label: str, cells: list[Cell], costs: CpuCosts) -> str:
-    scores = (score(cells, costs, backward) for backward in (False, True))
+    scores = (score(cells, costs, pass_) for pass_ in range(len(PASSES)))
     parts = [f"{m:.3f} (worst {w:.2f}, {where}; {k} cells)" for m, w, where, k in scores]
-    return f"| {label} | {parts[0]} | {parts[1]} |"
+    return f"| {label} | " + " | ".join(parts) + " |"
 
 
-def grid(cells: list[Cell], backward: bool, top: int) -> list[str]:
+def grid(cells: list[Cell], pass_: int, top: int) -> list[str]:
     """The constants of the pass that lose least over the cells (ties: every one of them shown up to `top`)."""
     results = []
     for per_element in range(0, 161, 4):
         for step in range(41):
             per_expert = 0.5e6 * 1.12**step
-            costs = CpuCosts(per_expert=(per_expert,) * 2, per_element=(float(per_element),) * 2)
-            results.append((round(score(cells, costs, backward)[0], 4), per_element, per_expert))
+            costs = torch_paths.CPU_COSTS["default"]._replace(
+                per_expert=(per_expert,) * 3, per_element=(float(per_element),) * 3
+            )
+            results.append((round(score(cells, costs, pass_)[0], 4), per_element, per_expert))
     results.sort()
     return [f"  {m:.4f}: per_element {c}, per_expert {e:.3g}" for m, c, e in results[:top]]
 
@@ -147,13 +154,14 @@ def main() -> None:
             sys.exit(f"regime_fit.py: no {wanted} rows in {path}")
     every = [cell for cells in tables.values() for cell in cells]
     if args.gather_backward:
-        now = torch_paths.GATHER_BACKWARD_MAX_PAIRS
-        print(f"\n| expanding | contracting | backward over all tables (now {now['expand']}, {now['contract']}) |")
-        print("|---|---|---|")
-        for expand in GATHER_BACKWARD_PAIRS:
-            for contract in GATHER_BACKWARD_PAIRS:
-                mean, worst, where, count = score_gather_backward(every, expand, contract)
-                print(f"| {expand} | {contract} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
+        for kind, costs in torch_paths.CPU_COSTS.items():
+            expand_now, contract_now = costs.gather_backward_max_pairs
+            print(f"\n## {kind} (now {expand_now}, {contract_now}): above the gather, its dense or grouped\n")
+            print("| expanding | contracting | backward over all tables |\n|---|---|---|")
+            for expand in GATHER_BACKWARD_PAIRS:
+                for contract in GATHER_BACKWARD_PAIRS:
+                    mean, worst, where, count = score_gather_backward(every, expand, contract, costs)
+                    print(f"| {expand} | {contract} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
         return
     if args.bag:
         now = ", ".join(f"{kind} {costs.bag_max_pairs}" for kind, costs in torch_paths.CPU_COSTS.items())
@@ -163,15 +171,15 @@ def main() -> None:
             print(f"| {pairs} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
         return
     for kind, costs in torch_paths.CPU_COSTS.items():
-        print(f"\n## {kind}: {costs}\n\n| table | forward | backward (I > R) |\n|---|---|---|")
+        print(f"\n## {kind}: {costs}\n\n| table | " + " | ".join(PASSES) + " |\n|---|---|---|---|")
         for path, cells in tables.items():
             print(_row(path, cells, costs))
         if len(tables) > 1:
             print(_row("all", every, costs))
     if args.grid:
-        for backward in (False, True):
-            print(f"\nbest over all tables, {'backward' if backward else 'forward'}:")
-            print("\n".join(grid(every, backward, args.top)))
+        for pass_, name in enumerate(PASSES):
+            print(f"\nbest over all tables, {name}:")
+            print("\n".join(grid(every, pass_, args.top)))
 
 
 if __name__ == "__main__":

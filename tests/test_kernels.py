@@ -975,12 +975,13 @@ def test_triton_deterministic_mode_launches_no_atomics(on, monkeypatch):
 def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     """The timing rule alone (every regime gives the loop's numbers, so only this test notices a threshold moved),
     pinned to torch_paths' constants in fp32, for each kind of CPU: gather up to GATHER_MAX_PAIRS pairs (the
-    kind's bag_max_pairs for a forward that runs as one embedding_bag, GATHER_BACKWARD_MAX_PAIRS by the shape's kind
-    for a backward), dense while its wasted MACs cost at most what grouped spends beside its GEMMs (per expert and per
-    element of each pair's rows), combo's forward from COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from
+    kind's bag_max_pairs for a forward that runs as one embedding_bag, its gather_backward_max_pairs by the shape's
+    kind for a backward), dense while its wasted MACs cost at most what grouped spends beside its GEMMs (per expert
+    and per element of each pair's rows), combo's forward from COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from
     COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not picked), its backward once a set fills
     COMBO_BACKWARD_BLOCK_SHARE of a block (BF16_COMBO_MIN_SEGMENTS_PER_SET for both in bf16 on a CPU with bf16
-    instructions), and never dense for the backward of inputs expanded to every expert."""
+    instructions), and for the backward of inputs expanded to every expert dense by that pass's own constants
+    (never where its per_expert is -inf)."""
     tp = torch_paths
     costs = tp.CPU_COSTS[cpu]
     choose = functools.partial(tp.choose_regime, costs=costs)
@@ -992,8 +993,8 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     assert choose(costs.bag_max_pairs // k, **down, bag=True) == "gather"
     assert choose(costs.bag_max_pairs // k + 1, **down, bag=True) == "dense"
     assert choose(costs.bag_max_pairs // k, **down, backward=True, bag=True) == "dense"  # the bag is forward-only
-    contract, expand = tp.GATHER_BACKWARD_MAX_PAIRS["contract"], tp.GATHER_BACKWARD_MAX_PAIRS["expand"]
-    assert contract // k >= 1 and expand // k > contract // k + 1  # the shapes test what they say
+    expand, contract = costs.gather_backward_max_pairs
+    assert contract // k >= 1 and expand // k >= 1  # the shapes test what they say
     assert choose(contract // k, **down, backward=True) == "gather"
     assert choose(contract // k + 1, **down, backward=True) == "dense"
     waste = down["n_experts"] * min(down["n_in"], down["n_out"]) / k  # dense's MACs per useful MAC
@@ -1014,7 +1015,16 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     up = dict(down, n_in=1, n_out=4)
     assert choose(tp.GATHER_MAX_PAIRS // k + 1, **up) == "dense"
     assert choose(expand // k, **up, backward=True) == "gather"
-    assert choose(expand // k + 1, **up, backward=True) == "grouped"
+    if costs.per_expert[2] == -math.inf:
+        for n in (expand // k + 1, 10**6):
+            assert choose(n, **up, backward=True) == "grouped"
+    else:
+        saved = (waste - 1) * 64 * 64 - costs.per_element[2] * (64 + 64)
+        n_dense = int(up["n_experts"] * costs.per_expert[2] // (k * saved))
+        assert n_dense > expand // k  # the shape tests what it says
+        assert choose(expand // k + 1, **up, backward=True) == "dense"
+        assert choose(n_dense, **up, backward=True) == "dense"
+        assert choose(n_dense + 1, **up, backward=True) == "grouped"
     # SwitchHead V (2 heads of 4 experts, k = 3): segments of 3 slots, C(4, 3) expert sets per head
     v = dict(n_in=1, slots=6, n_out=2, n_experts=8, d_in=20, d_out=12)
     n_combo = tp.COMBO_MIN_SEGMENTS_PER_SET * math.comb(4, 3)
@@ -1026,7 +1036,7 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
 
     assert tp.block_rows(20, 12) == tp.GROUPED_BLOCK_ELEMENTS // 20
     assert choose(n_backward(v, 4), **v, backward=True) == "combo"
-    assert choose(n_backward(v, 4) - 1, **v, backward=True) == "grouped"
+    assert choose(n_backward(v, 4) - 1, **v, backward=True) != "combo"
     # the backward's threshold follows the rows' width: 262M V and O (4 heads of 4 experts, k = 2) from N = 538
     v262 = dict(n_in=1, slots=8, n_out=4, n_experts=16, d_in=1024, d_out=112)
     assert n_backward(v262, math.comb(4, 2)) == 538
@@ -1098,7 +1108,7 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     """`benchmarks/regime_fit.py`: every dense/grouped cell of a `--regimes` table scored by the time of the regime
     the rule picks over the better one's; combo cells, other tables and V-like backwards left out. With --bag, the
     gather/dense forward cells scored for a threshold in (token, slot) pairs; with --gather-backward, the gather's
-    backward cells for a threshold per kind of shape."""
+    backward cells for a threshold per kind of shape, against the regime each kind's rule picks above it."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     names = ("regime_fit", "kernels")
     saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
@@ -1117,31 +1127,34 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
 |---|---|---|---|---|---|---|---|
 | 47M O | 16 | 1.0 | 1.0 | 2.0 | 4.0 | - | - |
 | 47M O | 512 | 3.0 | 3.0 | 2.0 | 6.0 | - | - |
+| 47M V | 64 | 1.0 | 1.0 | 2.0 | 3.0 | - | - |
 | 47M V | 512 | 1.0 | 9.0 | 2.0 | 1.0 | - | - |
 | 47M V | 4096 | 1.0 | 1.0 | 5.0 | 5.0 | - | - |
 """
     cells = regime_fit.read_cells(table)
-    assert [(c[0].name, c[1], c[2]) for c in cells] == [
-        (name, n, bwd) for name, n in [("47M O", 16), ("47M O", 512), ("47M V", 512), ("47M V", 4096)]
-        for bwd in (False, True)
-    ]
+    shapes = [("47M O", 16), ("47M O", 512), ("47M V", 64), ("47M V", 512), ("47M V", 4096)]
+    assert [(c[0].name, c[1], c[2]) for c in cells] == [(name, n, bwd) for name, n in shapes for bwd in (False, True)]
     default, intel = torch_paths.CPU_COSTS["default"], torch_paths.CPU_COSTS["intel-avx512"]
-    # default: dense at N = 16, grouped at 512 (both passes), combo at 4096 (not scored)
-    mean, worst, where, count = regime_fit.score(cells, default, backward=False)
-    assert (count, worst, where) == (3, 2.0, "47M V N=512") and mean == pytest.approx(2 ** (1 / 3))
-    mean, worst, where, count = regime_fit.score(cells, default, backward=True)
+    # default: dense at N = 16 and 64, grouped at 512 (every pass), combo at 4096 (not scored)
+    mean, worst, where, count = regime_fit.score(cells, default, 0)
+    assert (count, worst, where) == (4, 2.0, "47M V N=512") and mean == pytest.approx(2 ** (1 / 4))
+    mean, worst, where, count = regime_fit.score(cells, default, 1)
     assert (count, worst, where) == (2, 2.0, "47M O N=512") and mean == pytest.approx(2**0.5)
-    # intel-avx512 keeps 47M dense at N = 512
-    mean, worst, where, count = regime_fit.score(cells, intel, backward=False)
-    assert (count, worst, where) == (3, 1.5, "47M O N=512") and mean == pytest.approx(1.5 ** (1 / 3))
-    assert regime_fit.score(cells, intel, backward=True) == (1.0, 1.0, "-", 2)
+    assert regime_fit.score(cells, default, 2) == (1.0, 1.0, "-", 2)
+    # intel-avx512 keeps 47M dense at N = 512, and the backward of V-like shapes never dense
+    mean, worst, where, count = regime_fit.score(cells, intel, 0)
+    assert (count, worst, where) == (4, 1.5, "47M O N=512") and mean == pytest.approx(1.5 ** (1 / 4))
+    assert regime_fit.score(cells, intel, 1) == (1.0, 1.0, "-", 2)
+    mean, worst, where, count = regime_fit.score(cells, intel, 2)
+    assert (count, worst, where) == (2, 3.0, "47M V N=64") and mean == pytest.approx(3**0.5)
     # --bag: the gather/dense table's forward cells, the gather picked up to a number of pairs (47M O: S = 6)
     bag_cells = regime_fit.read_cells(table, bag=True)
     assert [(c[0].name, c[1], c[3], c[4]) for c in bag_cells] == [("47M O", 16, 9.0, 1.0)]
     assert regime_fit.score_bag(bag_cells, 16 * 6) == (pytest.approx(9.0), 9.0, "47M O N=16", 1)
     assert regime_fit.score_bag(bag_cells, 16 * 6 - 1) == (1.0, 1.0, "-", 1)
-    # --gather-backward: the gather's backward beside grouped's (V-like) or dense's (O-like), each kind of shape with
-    # its own threshold in pairs (47M V and O: S = 6)
+    # --gather-backward: the gather's backward beside dense's and grouped's, each kind of shape with its own threshold
+    # in pairs (47M V and O: S = 6), above it the regime the kind's rule picks (47M V at N = 2: dense on default,
+    # grouped on intel-avx512)
     backward_table = """
 | case | N | gather fwd | gather bwd | dense fwd | dense bwd | grouped fwd | grouped bwd | auto fwd / bwd |
 |---|---|---|---|---|---|---|---|---|
@@ -1149,12 +1162,13 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
 | 47M O | 1 | 1.0 | 3.0 | 1.0 | 1.0 | 1.0 | 8.0 | - |
 """
     gb_cells = regime_fit.read_cells(backward_table, gather_backward=True)
-    assert [(c[0].name, c[1], c[2], c[3], c[4]) for c in gb_cells] == [
-        ("47M V", 2, True, 1.0, 2.0), ("47M O", 1, True, 3.0, 1.0)
+    assert [(c[0].name, *c[1:]) for c in gb_cells] == [
+        ("47M V", 2, True, 1.0, 8.0, 2.0), ("47M O", 1, True, 3.0, 1.0, 8.0)
     ]
-    assert regime_fit.score_gather_backward(gb_cells, 12, 5) == (1.0, 1.0, "-", 2)
-    assert regime_fit.score_gather_backward(gb_cells, 11, 5) == (pytest.approx(2**0.5), 2.0, "47M V N=2", 2)
-    assert regime_fit.score_gather_backward(gb_cells, 12, 6) == (pytest.approx(3**0.5), 3.0, "47M O N=1", 2)
+    assert regime_fit.score_gather_backward(gb_cells, 12, 5, default) == (1.0, 1.0, "-", 2)
+    assert regime_fit.score_gather_backward(gb_cells, 11, 5, default) == (pytest.approx(8**0.5), 8.0, "47M V N=2", 2)
+    assert regime_fit.score_gather_backward(gb_cells, 11, 5, intel) == (pytest.approx(2**0.5), 2.0, "47M V N=2", 2)
+    assert regime_fit.score_gather_backward(gb_cells, 12, 6, default) == (pytest.approx(3**0.5), 3.0, "47M O N=1", 2)
 
 
 def test_cuda_prefers_dense_follows_its_documented_rule():

@@ -44,28 +44,27 @@ Grads = tuple[Tensor, Tensor, Tensor]
 # differences). Up to this many (token, slot) pairs a plain loop of vector-matrix products wins the forward: it reads
 # only the selected experts and copies nothing (batch-1 decode: N*S = 6..8 for the paper models).
 GATHER_MAX_PAIRS = 8
-# The backward's gather (a matrix-vector product and a rank-1 update per pair, each expert read and written in place)
-# stays ahead longer where the alternative is grouped (input-expanding shapes, whose dense backward would recompute
-# the forward) than where it is dense (input-contracting ones). `python benchmarks/kernels.py --threads 1 --n 1 2 3
-# 4 6 8 --regimes gather dense grouped`, two runs on an Intel Xeon VM, and one with `--dtype bfloat16 --n 1 2 3 4 6`,
-# scored by `python benchmarks/regime_fit.py --gather-backward` (docs/BENCHMARKS.md, "The backward's gather"): up to
-# (32, 4) pairs the picked backward takes 1.003x the better one's time in fp32 (worst 1.07x, 262M O at N = 1) and
-# 1.014x in bf16 (worst 1.24x), against 1.079x and 1.203x with 8 pairs for every shape (worst 1.65x, 47M V at N = 2,
-# and 2.14x).
-GATHER_BACKWARD_MAX_PAIRS = {"expand": 32, "contract": 4}
-
 
 class CpuCosts(NamedTuple):
     """What the fp32 regimes cost beside their useful multiply-adds on one kind of CPU, in multiply-adds at the rate
     of dense's one big GEMM. Dense wastes (E*min(I, R)/S - 1) times the useful MACs, while grouped pays a roughly
     fixed cost per expert (sort, launches, small GEMMs) and one per element of each pair's input and output row
-    (gathers, index_adds, GEMMs narrower than dense's): dense while the waste costs less. Below both, up to
-    `bag_max_pairs` (token, slot) pairs, the forward's gather runs as one embedding_bag (`_bag_forward`: fp32/fp64),
-    which reads only the chosen experts."""
+    (gathers, index_adds, GEMMs narrower than dense's): dense while the waste costs less. Three passes, each with
+    its constants (`cost_pass`): the forward, the backward of input-contracting shapes, and that of input-expanding
+    ones, whose dense backward also recomputes the forward for the gate gradient (per_expert -inf: never dense).
+    Below all that the gather runs: the forward up to `bag_max_pairs` (token, slot) pairs as one embedding_bag
+    (`_bag_forward`: fp32/fp64), up to GATHER_MAX_PAIRS otherwise; the backward (a matrix-vector product and a rank-1
+    update per pair, each expert read and written in place) up to `gather_backward_max_pairs`."""
 
-    per_expert: tuple[float, float]  # forward, backward
-    per_element: tuple[float, float]  # forward, backward
+    per_expert: tuple[float, float, float]  # forward, contracting backward, expanding backward
+    per_element: tuple[float, float, float]  # forward, contracting backward, expanding backward
     bag_max_pairs: int
+    gather_backward_max_pairs: tuple[int, int]  # input-expanding shapes, input-contracting ones
+
+
+def cost_pass(backward: bool, n_in: int, n_out: int) -> int:
+    """The index of this pass's constants in `CpuCosts`: 0 forward, 1 backward contracting inputs, 2 expanding."""
+    return 0 if not backward else 2 if dense_expands_inputs(n_in, n_out) else 1
 
 
 CPU_COSTS = {
@@ -82,7 +81,19 @@ CPU_COSTS = {
     # mean (worst 1.43x, sigma-MoE down at N = 32, where the bag is still ahead), up to 16 (the Intel VM's count)
     # 1.139x (worst 2.23x, sigma-MoE up at N = 5), up to 32 or 128 1.060x and 1.038x: dense's GEMMs run slower
     # here than there while the bag's row reads do not.
-    "default": CpuCosts(per_expert=(1.75e6, 1.75e6), per_element=(28.0, 28.0), bag_max_pairs=64),
+    # The backward of input-expanding shapes (V-like, sigma-MoE up), dense since it multiplies the experts in place at
+    # a few rows (DENSE_SPLIT_MAX_ROWS): `--n 1 2 3 4 6 8 12 16 24 32 48 64 --regimes gather dense grouped` and
+    # `--n 12 16 24 32 40 48 64 96 128 --regimes dense grouped`, twice each, with the cells from N = 64 of the five
+    # tables above: these constants take 1.003x the better of dense and grouped's time (worst 1.33x, 47M V at
+    # N = 80), never-dense 1.28x on the new tables (worst 2.58x, 47M V at N = 6). Dense up to N = 122 for 47M V
+    # (measured even from 64 to 96, grouped's from ~110), 23 for 262M V (~28), 32 for sigma-MoE up (~40). Then the
+    # backward's gather, now beside that dense: up to 16 pairs for both kinds of shape, 1.023x the better regime's
+    # time over the first two tables (`regime_fit.py --gather-backward`; worst 1.66x, 262M O at N = 3), against
+    # 1.061x for the Intel VM's (32, 4) (worst 2.14x, 47M V at N = 4).
+    "default": CpuCosts(
+        per_expert=(1.75e6, 1.75e6, 1.25e6), per_element=(28.0, 28.0, 8.0), bag_max_pairs=64,
+        gather_backward_max_pairs=(16, 16),
+    ),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
     # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
     # while the gathers take longer. `--n 16 32 ... 2048` and `--n 24 48 ... 3072 --regimes dense grouped`: round
@@ -98,7 +109,20 @@ CPU_COSTS = {
     # shuffled order"): the crossover lies between 6 pairs (47M O) and 32 (sigma-MoE up); up to 16 pairs the bag
     # loses 1.008x the better regime's time in the geometric mean (worst 1.25x, 47M O at N = 2), up to 64 1.199x
     # (worst 3.14x, 262M O at N = 8).
-    "intel-avx512": CpuCosts(per_expert=(2.5e6, 5e6), per_element=(40.0, 68.0), bag_max_pairs=16),
+    # The backward's gather: `python benchmarks/kernels.py --threads 1 --n 1 2 3 4 6 8 --regimes gather dense
+    # grouped`, two runs, and one with `--dtype bfloat16 --n 1 2 3 4 6`, scored by `python benchmarks/regime_fit.py
+    # --gather-backward` (docs/BENCHMARKS.md, "The backward's gather"): up to (32, 4) pairs the picked backward takes
+    # 1.003x the better one's time in fp32 (worst 1.07x, 262M O at N = 1) and 1.014x in bf16 (worst 1.24x), against
+    # 1.079x and 1.203x with 8 pairs for every shape (worst 1.65x, 47M V at N = 2, and 2.14x).
+    # The backward of input-expanding shapes stays grouped: at 92d429a (before that dense backward multiplied the
+    # experts in place at a few rows: DENSE_SPLIT_MAX_ROWS) `--n 6 8 12 16 24 32 48 64` and `--n 128 256 512 1024
+    # 2048` gave 47M V dense 0.56-0.97x grouped's time from N = 6 to 128 and 1.00-1.06x from 256 to 2048, but 262M V
+    # grouped from N ~ 8 (dense 1.13-1.58x its time at N = 24-64) and sigma-MoE up about even up to N ~ 32
+    # (0.94-1.08x); not measured since.
+    "intel-avx512": CpuCosts(
+        per_expert=(2.5e6, 5e6, -math.inf), per_element=(40.0, 68.0, 0.0), bag_max_pairs=16,
+        gather_backward_max_pairs=(32, 4),
+    ),
 }
 
 
@@ -222,7 +246,7 @@ def choose_regime(
     this kind of CPU (`this_cpu()`) unless given."""
     costs = costs or CPU_COSTS[this_cpu()]
     if backward:
-        gather_max = GATHER_BACKWARD_MAX_PAIRS["expand" if dense_expands_inputs(n_in, n_out) else "contract"]
+        gather_max = costs.gather_backward_max_pairs[0 if dense_expands_inputs(n_in, n_out) else 1]
     else:
         gather_max = costs.bag_max_pairs if bag else GATHER_MAX_PAIRS
     if n * slots <= gather_max:
@@ -245,16 +269,9 @@ def choose_regime(
         return "dense" if (waste - 1 - extra) * useful_macs <= n_experts * overhead else blocked
     if blocked == "combo":
         return "combo"
-    if backward and dense_expands_inputs(n_in, n_out):
-        # That dense backward recomputes the forward for its gate gradient, at full waste (47M V at N = 16:
-        # 1.36 vs 0.61 ms, `python benchmarks/kernels.py --threads 1 --n 16 64 256 --regimes dense grouped`). Not so
-        # everywhere since: on the Intel VM, at 92d429a, `--n 6 8 12 16 24 32 48 64` and `--n 128 256 512 1024 2048`
-        # gave 47M V dense 1.17-1.28 vs grouped 2.10-2.25 ms at N = 16, dense 0.56-0.97x grouped's time from N = 6
-        # to 128 and 1.00-1.06x from 256 to 2048; 262M V grouped from N ~ 8 (dense 1.13-1.58x its time at N = 24-64);
-        # sigma-MoE up about even up to N ~ 32 (0.94-1.08x). No rule has been fitted to that yet.
-        return "grouped"
-    moved = costs.per_element[backward] * n * slots * (d_in + d_out)
-    if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[backward]:
+    p = cost_pass(backward, n_in, n_out)
+    moved = costs.per_element[p] * n * slots * (d_in + d_out)
+    if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[p]:
         return "dense"
     return "combo" if not backward and per_set >= COMBO_FORWARD_MIN_SEGMENTS_PER_SET else "grouped"
 
