@@ -479,7 +479,8 @@ def dense_expanded_grads(
     input-expanding shapes (any shape is right): grad_y [N*I, E*D_out], for each input row and expert the gated sum
     of the output gradients its slots send back through that expert (zero where no slot chose it), summed in
     `dtype` and rounded to x's dtype; then grad_x = grad_y @ (the experts side by side)^T and grad_w = x^T @ grad_y,
-    one GEMM each, every row written once (no atomics). `dtype` defaults to x's: at half precision the gates are
+    one GEMM each, every row written once (no atomics); on the CPU at up to DENSE_SPLIT_MAX_ROWS rows, one product
+    per expert against the weight as it lies instead. `dtype` defaults to x's: at half precision the gates are
     then rounded as dense_forward's coefficients are, and no fp32 copies of the sums are made (they have at most R
     terms)."""
     n, n_in, d_in = x.shape
