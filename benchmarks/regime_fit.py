@@ -39,7 +39,7 @@ GATHER_BACKWARD_PAIRS = (0, 4, 6, 8, 12, 16, 24, 32)  # thresholds --gather-back
 PASSES = ("forward", "backward (I > R)", "backward (I <= R)")  # CpuCosts' constants, by `torch_paths.cost_pass`
 # case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms; --gather-backward: gather ms, dense ms, and
 # grouped ms as a sixth item)
-Cell = tuple
+Cell = tuple[Case, int, bool, float, float] | tuple[Case, int, bool, float, float, float]
 
 
 def read_cells(text: str, bag: bool = False, gather_backward: bool = False) -> list[Cell]:
