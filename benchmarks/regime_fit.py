@@ -104,7 +104,7 @@ def score_gather_backward(
     """The same for the gather backward picked up to `expand_pairs` pairs for input-expanding shapes and up to
     `contract_pairs` for the others, above them the regime (dense or grouped) that `costs` picks without it."""
     scored = []
-    no_gather = costs._replace(gather_backward_max_pairs=(0, 0))
+    no_gather = costs._replace(gather_backward_max_pairs={"expand": 0, "contract": 0})
     for case, n, _, gather, dense, grouped in cells:
         expands = torch_paths.dense_expands_inputs(case.n_in, case.n_out)
         other = dense if _pick(case, n, True, no_gather) == "dense" else grouped
@@ -155,8 +155,8 @@ def main() -> None:
     every = [cell for cells in tables.values() for cell in cells]
     if args.gather_backward:
         for kind, costs in torch_paths.CPU_COSTS.items():
-            expand_now, contract_now = costs.gather_backward_max_pairs
-            print(f"\n## {kind} (now {expand_now}, {contract_now}): above the gather, its dense or grouped\n")
+            now = costs.gather_backward_max_pairs
+            print(f"\n## {kind} (now {now['expand']}, {now['contract']}): above the gather, its dense or grouped\n")
             print("| expanding | contracting | backward over all tables |\n|---|---|---|")
             for expand in GATHER_BACKWARD_PAIRS:
                 for contract in GATHER_BACKWARD_PAIRS:

@@ -993,7 +993,7 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     assert choose(costs.bag_max_pairs // k, **down, bag=True) == "gather"
     assert choose(costs.bag_max_pairs // k + 1, **down, bag=True) == "dense"
     assert choose(costs.bag_max_pairs // k, **down, backward=True, bag=True) == "dense"  # the bag is forward-only
-    expand, contract = costs.gather_backward_max_pairs
+    expand, contract = costs.gather_backward_max_pairs["expand"], costs.gather_backward_max_pairs["contract"]
     assert contract // k >= 1 and expand // k >= 1  # the shapes test what they say
     assert choose(contract // k, **down, backward=True) == "gather"
     assert choose(contract // k + 1, **down, backward=True) == "dense"

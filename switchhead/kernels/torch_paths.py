@@ -59,7 +59,7 @@ class CpuCosts(NamedTuple):
     per_expert: tuple[float, float, float]  # forward, contracting backward, expanding backward
     per_element: tuple[float, float, float]  # forward, contracting backward, expanding backward
     bag_max_pairs: int
-    gather_backward_max_pairs: tuple[int, int]  # input-expanding shapes, input-contracting ones
+    gather_backward_max_pairs: dict[str, int]  # by dense_expands_inputs: "expand" / "contract"
 
 
 def cost_pass(backward: bool, n_in: int, n_out: int) -> int:
@@ -92,7 +92,7 @@ CPU_COSTS = {
     # 1.061x for the Intel VM's (32, 4) (worst 2.14x, 47M V at N = 4).
     "default": CpuCosts(
         per_expert=(1.75e6, 1.75e6, 1.25e6), per_element=(28.0, 28.0, 8.0), bag_max_pairs=64,
-        gather_backward_max_pairs=(16, 16),
+        gather_backward_max_pairs={"expand": 16, "contract": 16},
     ),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
     # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
@@ -121,7 +121,7 @@ CPU_COSTS = {
     # (0.94-1.08x); not measured since.
     "intel-avx512": CpuCosts(
         per_expert=(2.5e6, 5e6, -math.inf), per_element=(40.0, 68.0, 0.0), bag_max_pairs=16,
-        gather_backward_max_pairs=(32, 4),
+        gather_backward_max_pairs={"expand": 32, "contract": 4},
     ),
 }
 
@@ -181,11 +181,11 @@ DENSE_BROADCAST_MAX_ROWS = 256
 # one small product per expert against the weight where it lies (grad_x summed over the experts, the weight gradient
 # written in its own layout); above it, as one GEMM each against the experts side by side, which first copies the
 # weight into that layout and then the gradient back out of it: at a few rows the two weight-sized copies cost more
-# than the products, and their time swings 2-3x between runs (fresh pages). CPU only. `python benchmarks/kernels.py
-# --threads 1 --n 1 2 4 8 16 32 48 64 96 --regimes dense --against 58594bd` (copies at every size), twice on an
-# AMD EPYC VM: the dense backward in 0.31-0.40x the time for 262M V at N = 1, 0.65-0.85x from 2 to 16, 0.92-0.95x at
-# 32; sigma-MoE up 0.41-0.84x from 1 to 32; 47M V 0.32-0.97x; even (0.97-1.03x) from 48 rows, where the copies have
-# caught up. fp32/fp64 only: at half precision each expert's partial sum would be rounded.
+# than the products, and their time swung up to 2x between runs (docs/BENCHMARKS.md). CPU only. `python
+# benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 32 48 64 96 --regimes dense --against 58594bd` (copies at every
+# size), twice on an AMD EPYC VM: the dense backward in 0.31-0.40x the time for 262M V at N = 1, 0.65-0.85x from
+# 2 to 16, 0.92-0.95x at 32; sigma-MoE up 0.41-0.84x from 1 to 32; 47M V 0.32-0.97x; even (0.97-1.03x) from 48 rows,
+# where the copies have caught up. fp32/fp64 only: at half precision each expert's partial sum would be rounded.
 DENSE_SPLIT_MAX_ROWS = 48
 # grouped and combo work on blocks of segments with the same experts, of at most this many elements in their widest
 # operand (see `_plan`): 256 rows for 262M, 1024 for d_model 256. Swept by
@@ -245,8 +245,9 @@ def choose_regime(
     """The regime for these shapes; `bag`: the forward's gather would run as one embedding_bag; `costs`: those of
     this kind of CPU (`this_cpu()`) unless given."""
     costs = costs or CPU_COSTS[this_cpu()]
+    shape_kind = "expand" if dense_expands_inputs(n_in, n_out) else "contract"
     if backward:
-        gather_max = costs.gather_backward_max_pairs[0 if dense_expands_inputs(n_in, n_out) else 1]
+        gather_max = costs.gather_backward_max_pairs[shape_kind]
     else:
         gather_max = costs.bag_max_pairs if bag else GATHER_MAX_PAIRS
     if n * slots <= gather_max:
@@ -264,7 +265,7 @@ def choose_regime(
     blocked = "combo" if per_set >= min_per_set else "grouped"
     if native_bf16:
         # dense is weighed first here: O-like forwards stay dense even where combo would pay
-        extra = 0.0 if backward else BF16_FORWARD_EXTRA["expand" if dense_expands_inputs(n_in, n_out) else "contract"]
+        extra = 0.0 if backward else BF16_FORWARD_EXTRA[shape_kind]
         overhead = BF16_OVERHEAD_MACS_PER_EXPERT["backward" if backward else "forward"]
         return "dense" if (waste - 1 - extra) * useful_macs <= n_experts * overhead else blocked
     if blocked == "combo":
