@@ -208,10 +208,13 @@ def test_blocks_add_up(shape, dtype, regime, buffers, monkeypatch):
 @pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "copied"])
 def test_dense_weight_broadcast_or_copied(shape, broadcast, monkeypatch):
     """The dense path multiplies every expert by a broadcast batched matmul (few rows) or by the weight copied
-    side by side into one GEMM (DENSE_BROADCAST_MAX_ROWS); both lay the products out alike for the gates. Its
+    side by side into one GEMM (`broadcast_max_rows`); both lay the products out alike for the gates. Its
     backward likewise takes grad_x and the weight gradient one expert at a time against the weight as it lies, or
     against the copy (DENSE_SPLIT_MAX_ROWS)."""
-    monkeypatch.setattr(torch_paths, "DENSE_BROADCAST_MAX_ROWS", 1 << 62 if broadcast else 0)
+    kind = torch_paths.this_cpu()
+    limit = 1 << 62 if broadcast else 0
+    costs = torch_paths.CPU_COSTS[kind]._replace(broadcast_max_rows={"aligned": limit, "unaligned": limit})
+    monkeypatch.setitem(torch_paths.CPU_COSTS, kind, costs)
     monkeypatch.setattr(torch_paths, "DENSE_SPLIT_MAX_ROWS", 1 << 62 if broadcast else 0)
     assert torch_paths.dense_expands_inputs(shape.n_in, shape.n_out)  # the shapes take that path
     exact, cast = make(shape)
@@ -1102,6 +1105,8 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
     n = min(default.bag_max_pairs, intel.bag_max_pairs) // 4 + 1
     picks = {kind: tp.choose_regime(n, **down, costs=tp.CPU_COSTS[kind]) for kind in ("default", "intel-avx512")}
     assert sorted(picks.values()) == ["dense", "gather"]
+    # ... and so does the dense forward's broadcast limit for 47M V's 76-wide experts (AVX2 runs 80-wide ones better)
+    assert tp.broadcast_max_rows(76, default) < tp.broadcast_max_rows(80, default) == tp.broadcast_max_rows(76, intel)
 
 
 def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):

@@ -54,12 +54,15 @@ class CpuCosts(NamedTuple):
     ones, whose dense backward also recomputes the forward for the gate gradient (per_expert -inf: never dense).
     Below all that the gather runs: the forward up to `bag_max_pairs` (token, slot) pairs as one embedding_bag
     (`_bag_forward`: fp32/fp64), up to GATHER_MAX_PAIRS otherwise; the backward (a matrix-vector product and a rank-1
-    update per pair, each expert read and written in place) up to `gather_backward_max_pairs`."""
+    update per pair, each expert read and written in place) up to `gather_backward_max_pairs`. The dense forward of
+    input-expanding shapes multiplies by the experts as they lie up to `broadcast_max_rows` input rows
+    (`_all_experts`)."""
 
     per_expert: tuple[float, float, float]  # forward, contracting backward, expanding backward
     per_element: tuple[float, float, float]  # forward, contracting backward, expanding backward
     bag_max_pairs: int
     gather_backward_max_pairs: dict[str, int]  # by dense_expands_inputs: "expand" / "contract"
+    broadcast_max_rows: dict[str, int]  # by D_out: "aligned" to VECTOR_FLOATS, "unaligned"
 
 
 def cost_pass(backward: bool, n_in: int, n_out: int) -> int:
@@ -90,9 +93,12 @@ CPU_COSTS = {
     # backward's gather, now beside that dense: up to 16 pairs for both kinds of shape, 1.023x the better regime's
     # time over the first two tables (`regime_fit.py --gather-backward`; worst 1.66x, 262M O at N = 3), against
     # 1.061x for the Intel VM's (32, 4) (worst 2.14x, 47M V at N = 4).
+    # The broadcast: `--n 32 64 96 128 192 256 --regimes dense --against 8bbca23` (broadcast up to 256 rows at every
+    # width), twice, with and without `--case` shapes of other widths: see "The dense forward's broadcast, by width" in
+    # docs/BENCHMARKS.md.
     "default": CpuCosts(
         per_expert=(1.75e6, 1.75e6, 1.25e6), per_element=(28.0, 28.0, 8.0), bag_max_pairs=64,
-        gather_backward_max_pairs={"expand": 16, "contract": 16},
+        gather_backward_max_pairs={"expand": 16, "contract": 16}, broadcast_max_rows={"aligned": 256, "unaligned": 64},
     ),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
     # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
@@ -119,9 +125,12 @@ CPU_COSTS = {
     # 2048` gave 47M V dense 0.56-0.97x grouped's time from N = 6 to 128 and 1.00-1.06x from 256 to 2048, but 262M V
     # grouped from N ~ 8 (dense 1.13-1.58x its time at N = 24-64) and sigma-MoE up about even up to N ~ 32
     # (0.94-1.08x); not measured since.
+    # The broadcast: `--n 96 128 192 256 384 --regimes dense --against REV` with REV broadcasting at every size, two
+    # runs: the copy took 1.04-1.22x the broadcast's forward time for 47M V (76 wide) at N = 96, 1.13-1.42x for 262M V
+    # and 1.22-1.68x for sigma-MoE up up to 256 rows; from 512 rows it is 47M V's better (0.90-0.94x).
     "intel-avx512": CpuCosts(
         per_expert=(2.5e6, 5e6, -math.inf), per_element=(40.0, 68.0, 0.0), bag_max_pairs=16,
-        gather_backward_max_pairs={"expand": 32, "contract": 4},
+        gather_backward_max_pairs={"expand": 32, "contract": 4}, broadcast_max_rows={"aligned": 256, "unaligned": 256},
     ),
 }
 
@@ -170,13 +179,20 @@ COMBO_FORWARD_MIN_SEGMENTS_PER_SET = 100
 # set, 0.96-1.01 at 205, 0.93 at 230 and 0.88-0.94 at 256. The backward used to share the forward's 200 segments per
 # set: too many for 262M's wider rows (was grouped to N = 1,200, now combo from 538).
 COMBO_BACKWARD_BLOCK_SHARE = 0.35
-# Up to this many input rows the dense path multiplies by the [E, D_in, D_out] weight as a broadcast batched
-# matmul; above it, copying the weight once into a [D_in, E*D_out] matrix for one big GEMM pays off. `python
-# benchmarks/kernels.py --threads 1 --n 96 128 192 256 384 --regimes dense --against REV` with REV broadcasting at
-# every size, two runs on an Intel Xeon VM: the copy took 1.04-1.22x the broadcast's forward time for 47M V at
-# N = 96, 1.13-1.42x for 262M V and 1.22-1.68x for sigma-MoE up up to 256 rows; from 512 rows it is 47M V's
-# better (0.90-0.94x). Shapes that contract their inputs (O-like) do not take this path. (Was 64.)
-DENSE_BROADCAST_MAX_ROWS = 256
+# The dense forward of input-expanding shapes multiplies by the [E, D_in, D_out] weight as a broadcast batched matmul
+# up to `CpuCosts.broadcast_max_rows` input rows; above it, copying the weight once into a [D_in, E*D_out] matrix
+# for one big GEMM pays off. The broadcast writes its products [E, rows, D_out] and copies them into row order, the
+# copy moves the weight: alike at rows ~ D_in, earlier where the E narrow GEMMs run slower than the one wide GEMM,
+# which on AVX2 is where D_out is not a multiple of VECTOR_FLOATS (a partial vector at the end of every row).
+VECTOR_FLOATS = 8
+
+
+def broadcast_max_rows(d_out: int, costs: CpuCosts | None = None) -> int:
+    """Up to how many input rows `_all_experts` multiplies by the experts as they lie on this kind of CPU."""
+    costs = costs or CPU_COSTS[this_cpu()]
+    return costs.broadcast_max_rows["unaligned" if d_out % VECTOR_FLOATS else "aligned"]
+
+
 # Up to this many input rows the dense backward of input-expanding shapes takes grad_x and the weight gradient as
 # one small product per expert against the weight where it lies (grad_x summed over the experts, the weight gradient
 # written in its own layout); above it, as one GEMM each against the experts side by side, which first copies the
@@ -437,7 +453,7 @@ def _all_experts(x: Tensor, weight: Tensor) -> Tensor:
     """[N, I*E, D_out]: every expert applied to every input row, row i * E + e of a token for row i and expert e."""
     n, n_in, d_in = x.shape
     n_experts, _, d_out = weight.shape
-    if n * n_in <= DENSE_BROADCAST_MAX_ROWS:
+    if n * n_in <= broadcast_max_rows(d_out):
         # detached: for inputs that require grad, matmul takes a 2-3x slower broadcast route (262M V, N = 16)
         y_all = torch.matmul(x.reshape(1, n * n_in, d_in).detach(), weight.detach())  # [E, N*I, D_out]
         return y_all.view(n_experts, n, n_in, d_out).permute(1, 2, 0, 3).reshape(n, n_in * n_experts, d_out)
