@@ -235,7 +235,8 @@ PADDED_SHAPES = [
 def test_padded_gemm_rows(shape, regime, buffers, monkeypatch):
     """On the CPU in fp32, grouped and combo write their GEMMs' rows padded (GEMM_ALIGN) once the experts have
     enough pairs; here always, and with blocks of a few rows, into shared buffers or fresh temporaries."""
-    monkeypatch.setattr(torch_paths, "GEMM_PAD_MIN_PAIRS_PER_EXPERT", 0)
+    kind = torch_paths.this_cpu()
+    monkeypatch.setitem(torch_paths.CPU_COSTS, kind, torch_paths.CPU_COSTS[kind]._replace(gemm_pad_min_pairs=0))
     monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 8 * 64)
     monkeypatch.setattr(torch_paths, "BUFFER_MIN_ELEMENTS", 0 if buffers else 1 << 62)
     exact, cast = make(shape)
@@ -1107,6 +1108,11 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
     assert sorted(picks.values()) == ["dense", "gather"]
     # ... and so does the dense forward's broadcast limit for 47M V's 76-wide experts (AVX2 runs 80-wide ones better)
     assert tp.broadcast_max_rows(76, default) < tp.broadcast_max_rows(80, default) == tp.broadcast_max_rows(76, intel)
+    # ... and so does the count of pairs from which grouped and combo pad 47M's 76-wide GEMM rows to 80
+    x, index = torch.zeros(1024, 1, 412), torch.zeros(1024, 6, dtype=torch.long)  # N = 1024: 614 pairs per expert
+    for kind, width in (("default", 80), ("intel-avx512", 76)):
+        monkeypatch.setattr(tp, "this_cpu", lambda k=kind: k)
+        assert tp._gemm_width(76, x, index, 10) == width
 
 
 def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):

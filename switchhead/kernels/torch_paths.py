@@ -56,13 +56,15 @@ class CpuCosts(NamedTuple):
     (`_bag_forward`: fp32/fp64), up to GATHER_MAX_PAIRS otherwise; the backward (a matrix-vector product and a rank-1
     update per pair, each expert read and written in place) up to `gather_backward_max_pairs`. The dense forward of
     input-expanding shapes multiplies by the experts as they lie up to `broadcast_max_rows` input rows
-    (`_all_experts`)."""
+    (`_all_experts`). grouped and combo pad narrow GEMM rows (GEMM_ALIGN) once the experts have `gemm_pad_min_pairs`
+    (token, slot) pairs each on average."""
 
     per_expert: tuple[float, float, float]  # forward, contracting backward, expanding backward
     per_element: tuple[float, float, float]  # forward, contracting backward, expanding backward
     bag_max_pairs: int
     gather_backward_max_pairs: dict[str, int]  # by dense_expands_inputs: "expand" / "contract"
     broadcast_max_rows: dict[str, int]  # by D_out: "aligned" to VECTOR_FLOATS, "unaligned"
+    gemm_pad_min_pairs: int
 
 
 def cost_pass(backward: bool, n_in: int, n_out: int) -> int:
@@ -96,9 +98,13 @@ CPU_COSTS = {
     # The broadcast: `--n 32 64 96 128 192 256 --regimes dense --against 8bbca23` (broadcast up to 256 rows at every
     # width), twice, with and without `--case` shapes of other widths: see "The dense forward's broadcast, by width" in
     # docs/BENCHMARKS.md.
+    # The padded GEMM rows: 47M's 76-wide ones pay from ~460 pairs per expert here (forward 0.86-0.92x the time from
+    # N = 1024, backward 0.89-1.02x; `--n 512 ... 3072 --regimes grouped combo --against f915112`, twice): see
+    # "Padded GEMM rows" in docs/BENCHMARKS.md.
     "default": CpuCosts(
         per_expert=(1.75e6, 1.75e6, 1.25e6), per_element=(28.0, 28.0, 8.0), bag_max_pairs=64,
         gather_backward_max_pairs={"expand": 16, "contract": 16}, broadcast_max_rows={"aligned": 256, "unaligned": 64},
+        gemm_pad_min_pairs=512,
     ),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
     # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
@@ -128,9 +134,12 @@ CPU_COSTS = {
     # The broadcast: `--n 96 128 192 256 384 --regimes dense --against REV` with REV broadcasting at every size, two
     # runs: the copy took 1.04-1.22x the broadcast's forward time for 47M V (76 wide) at N = 96, 1.13-1.42x for 262M V
     # and 1.22-1.68x for sigma-MoE up up to 256 rows; from 512 rows it is 47M V's better (0.90-0.94x).
+    # The padded GEMM rows from 2048 pairs per expert: padding every width at every count took 1.01-1.39x the time
+    # for the 47M and sigma-MoE backwards (`--n 256 1024 4096 --regimes grouped combo --against REV`, two runs).
     "intel-avx512": CpuCosts(
         per_expert=(2.5e6, 5e6, -math.inf), per_element=(40.0, 68.0, 0.0), bag_max_pairs=16,
         gather_backward_max_pairs={"expand": 32, "contract": 4}, broadcast_max_rows={"aligned": 256, "unaligned": 256},
+        gemm_pad_min_pairs=2048,
     ),
 }
 
@@ -210,14 +219,13 @@ DENSE_SPLIT_MAX_ROWS = 48
 GROUPED_BLOCK_ELEMENTS = 256 * 1024
 # The GEMMs of grouped and combo write rows narrower than GEMM_PAD_MAX_WIDTH padded to a multiple of GEMM_ALIGN
 # elements (zero-padded weight and gradient, sliced at the end) where that adds at most 1/16 to the width and the
-# experts have enough pairs to repay copying the weight. `python benchmarks/kernels.py --threads 1 --n 256 1024 4096
-# --gemm-widths` (an AVX2 CPU, MKL): one expert's GEMMs took 0.83-1.00x the time with 76-wide results padded to 80
-# and 0.82-1.00x with 412 padded to 416. In the whole regimes (docs/BENCHMARKS.md, "Padded GEMM rows") the gain
-# is at most that and mostly inside this machine's noise: 47M at N = 4096 (2457 pairs per expert) took 0.85-0.98x;
-# for 412-wide rows and N <= 1024 the runs disagreed, the weight copy and the final slice taking back the rest.
+# experts have enough pairs to repay copying the weight (`CpuCosts.gemm_pad_min_pairs`). `python
+# benchmarks/kernels.py --threads 1 --n 256 1024 4096 --gemm-widths` (an AVX2 CPU, MKL): one expert's GEMMs took
+# 0.83-1.00x the time with 76-wide results padded to 80 and 0.82-1.00x with 412 padded to 416. In the whole regimes
+# (docs/BENCHMARKS.md, "Padded GEMM rows") the gain is at most that: 47M at N = 4096 (2457 pairs per expert) took
+# 0.85-0.98x; below, the weight copy and the final slice take back part of it (how much differs by kind of CPU).
 GEMM_ALIGN = 16
 GEMM_PAD_MAX_WIDTH = 256
-GEMM_PAD_MIN_PAIRS_PER_EXPERT = 2048
 # grouped and combo write each block's temporaries into views of buffers shared by all blocks of a call where the
 # widest is at least this many elements (128 KiB in fp32, glibc's default mmap threshold), and allocate them fresh
 # below. `python benchmarks/kernels.py --threads 1 --n 64 256 1024 4096 --regimes grouped combo --against ff84840`
@@ -660,8 +668,9 @@ def aligned(d: int) -> int:
 def _gemm_width(d: int, x: Tensor, index: Tensor, n_experts: int) -> int:
     """Width of the rows the blocked regimes' GEMMs write (see GEMM_ALIGN): d, or d padded on the CPU in fp32."""
     padded = aligned(d)
-    pays = 16 * (padded - d) <= d < GEMM_PAD_MAX_WIDTH and index.numel() >= GEMM_PAD_MIN_PAIRS_PER_EXPERT * n_experts
-    return padded if pays and x.device.type == "cpu" and x.dtype == torch.float32 else d
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 16 * (padded - d) <= d < GEMM_PAD_MAX_WIDTH:
+        return d
+    return padded if index.numel() >= CPU_COSTS[this_cpu()].gemm_pad_min_pairs * n_experts else d
 
 
 def _padded(t: Tensor, width: int) -> Tensor:
