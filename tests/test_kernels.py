@@ -982,7 +982,7 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
     kind's bag_max_pairs for a forward that runs as one embedding_bag, its gather_backward_max_pairs by the shape's
     kind for a backward), dense while its wasted MACs cost at most what grouped spends beside its GEMMs (per expert
     and per element of each pair's rows), combo's forward from COMBO_MIN_SEGMENTS_PER_SET segments per expert set (from
-    COMBO_FORWARD_MIN_SEGMENTS_PER_SET where dense is not picked), its backward once a set fills
+    the kind's combo_forward_min_per_set where dense is not picked), its backward once a set fills
     COMBO_BACKWARD_BLOCK_SHARE of a block (BF16_COMBO_MIN_SEGMENTS_PER_SET for both in bf16 on a CPU with bf16
     instructions), and for the backward of inputs expanded to every expert dense by that pass's own constants
     (never where its per_expert is -inf)."""
@@ -1048,10 +1048,10 @@ def test_choose_regime_follows_its_documented_thresholds(monkeypatch, cpu):
         assert choose(538, **shape, backward=True) == "combo"
         assert choose(537, **shape, backward=True) != "combo"
     # ... and where grouped, not dense, is the alternative, the forward takes combo from
-    # COMBO_FORWARD_MIN_SEGMENTS_PER_SET (2 heads of 8 experts, k = 2: dense wastes 3x the useful MACs)
+    # the kind's combo_forward_min_per_set (2 heads of 8 experts, k = 2: dense wastes 3x the useful MACs)
     v8 = dict(n_in=1, slots=4, n_out=2, n_experts=16, d_in=256, d_out=256)
-    n_forward = tp.COMBO_FORWARD_MIN_SEGMENTS_PER_SET * math.comb(8, 2)
-    assert tp.COMBO_FORWARD_MIN_SEGMENTS_PER_SET < tp.COMBO_MIN_SEGMENTS_PER_SET  # the case tests what it says
+    n_forward = costs.combo_forward_min_per_set * math.comb(8, 2)
+    assert costs.combo_forward_min_per_set < tp.COMBO_MIN_SEGMENTS_PER_SET  # the case tests what it says
     assert choose(n_forward, **v8) == "combo"
     assert choose(n_forward - 1, **v8) == "grouped"
     assert choose(n_forward, **v8, backward=True) == "grouped"

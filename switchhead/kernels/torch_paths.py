@@ -65,6 +65,7 @@ class CpuCosts(NamedTuple):
     gather_backward_max_pairs: dict[str, int]  # by dense_expands_inputs: "expand" / "contract"
     broadcast_max_rows: dict[str, int]  # by D_out: "aligned" to VECTOR_FLOATS, "unaligned"
     gemm_pad_min_pairs: int
+    combo_forward_min_per_set: int  # segments per expert set from which combo's forward beats grouped's
 
 
 def cost_pass(backward: bool, n_in: int, n_out: int) -> int:
@@ -101,10 +102,14 @@ CPU_COSTS = {
     # The padded GEMM rows: 47M's 76-wide ones pay from ~460 pairs per expert here (forward 0.86-0.92x the time from
     # N = 1024, backward 0.89-1.02x; `--n 512 ... 3072 --regimes grouped combo --against f915112`, twice): see
     # "Padded GEMM rows" in docs/BENCHMARKS.md.
+    # combo's forward where grouped is the alternative: `--n 512 640 768 896 1024 1152 1280 1536 --regimes grouped
+    # combo` with the 47M and 262M cases, twice: combo / grouped forward 47M V 1.08-1.10 and O 1.12-1.16 at N = 1024
+    # (102 segments per set), V 1.00-1.02 and O 1.05-1.07 at 1152-1280, V 0.97-0.99 and O 1.01 at 1536; 262M V
+    # 0.98 and O 1.01 at 640 (107), 0.97 and 1.00-1.01 at 768, O 0.97-0.98 from 1024.
     "default": CpuCosts(
         per_expert=(1.75e6, 1.75e6, 1.25e6), per_element=(28.0, 28.0, 8.0), bag_max_pairs=64,
         gather_backward_max_pairs={"expand": 16, "contract": 16}, broadcast_max_rows={"aligned": 256, "unaligned": 64},
-        gemm_pad_min_pairs=512,
+        gemm_pad_min_pairs=512, combo_forward_min_per_set=128,
     ),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
     # the one with AVX-512 included (the 47M O baseline `[4096, 456] @ [456, 412]`: 14.4 ms here, 32.8 ms there),
@@ -139,7 +144,7 @@ CPU_COSTS = {
     "intel-avx512": CpuCosts(
         per_expert=(2.5e6, 5e6, -math.inf), per_element=(40.0, 68.0, 0.0), bag_max_pairs=16,
         gather_backward_max_pairs={"expand": 32, "contract": 4}, broadcast_max_rows={"aligned": 256, "unaligned": 256},
-        gemm_pad_min_pairs=2048,
+        gemm_pad_min_pairs=2048, combo_forward_min_per_set=100,
     ),
 }
 
@@ -173,12 +178,12 @@ def this_cpu() -> str:
 # by more: 47M V 15.5-16.4 / 42.8-46.9 vs 14.1-14.2 / 38.5-39.1 and 47M O 17.1-17.4 / 30.1-30.6 vs 13.9 / 31.1-31.7
 # at N = 2048; 262M V 28.1-28.6 / 80.5-84.1 vs 25.6-25.7 / 68.5-71.6 at N = 1024 (171 per set).
 COMBO_MIN_SEGMENTS_PER_SET = 200
-# combo's forward pays from fewer segments than its backward where grouped is the alternative (not dense): `python
+# combo's forward pays from fewer segments than its backward where grouped is the alternative (not dense):
+# `CpuCosts.combo_forward_min_per_set`, on the Intel kind 100 from this run: `python
 # benchmarks/kernels.py --threads 1 --n 512 768 1024 1280 1536 1792 2048 --regimes grouped combo` on an Intel Xeon VM
 # (calls in shuffled order), combo / grouped forward: 262M V 0.95 at N = 512 (85 per set), 0.86-0.91 from 768; 262M O
 # 0.99 at 512, 0.89-0.95 from 768; 47M V and O 1.05 and 1.00 at N = 1024 (102 per set), 0.85-0.96 from 1280, where
 # the backward still wants more (47M O: 1.06-1.85 up to N = 2048).
-COMBO_FORWARD_MIN_SEGMENTS_PER_SET = 100
 # combo's backward (fp32) pays once a set's segments fill this share of one of grouped's blocks (`block_rows`): its
 # GEMMs (two per expert of the set) are that much thinner than grouped's, the price of gathering and adding each head's
 # rows once. `python benchmarks/kernels.py --threads 1 --n 384 512 ... 3072 --regimes grouped combo --case ...` on an
@@ -298,7 +303,7 @@ def choose_regime(
     moved = costs.per_element[p] * n * slots * (d_in + d_out)
     if (waste - 1) * useful_macs - moved <= n_experts * costs.per_expert[p]:
         return "dense"
-    return "combo" if not backward and per_set >= COMBO_FORWARD_MIN_SEGMENTS_PER_SET else "grouped"
+    return "combo" if not backward and per_set >= costs.combo_forward_min_per_set else "grouped"
 
 
 # On CUDA the Triton kernels run every call, except the forward of shapes that contract their inputs (I > R, the
