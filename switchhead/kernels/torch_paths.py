@@ -57,7 +57,8 @@ class CpuCosts(NamedTuple):
     update per pair, each expert read and written in place) up to `gather_backward_max_pairs`. The dense forward of
     input-expanding shapes multiplies by the experts as they lie up to `broadcast_max_rows` input rows
     (`_all_experts`). grouped and combo pad narrow GEMM rows (GEMM_ALIGN) once the experts have `gemm_pad_min_pairs`
-    (token, slot) pairs each on average."""
+    (token, slot) pairs each on average, and combo's forward takes over from grouped's at `combo_forward_min_per_set`
+    segments per expert set."""
 
     per_expert: tuple[float, float, float]  # forward, contracting backward, expanding backward
     per_element: tuple[float, float, float]  # forward, contracting backward, expanding backward
