@@ -1117,7 +1117,8 @@ def test_cpu_costs_follow_the_kind_of_cpu(monkeypatch):
 
 def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     """`benchmarks/regime_fit.py`: every dense/grouped cell of a `--regimes` table scored by the time of the regime
-    the rule picks over the better one's; combo cells, other tables and V-like backwards left out. With --bag, the
+    the rule picks over the better one's, for each pass with its own constants (forward, backward of
+    input-contracting shapes, backward of input-expanding ones); combo cells and other tables left out. With --bag, the
     gather/dense forward cells scored for a threshold in (token, slot) pairs; with --gather-backward, the gather's
     backward cells for a threshold per kind of shape, against the regime each kind's rule picks above it."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
