@@ -48,7 +48,12 @@ run() {
 
 for step in "${steps[@]}"; do
     case $step in
-        tests) run tests env SWITCHHEAD_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider ../tests/test_kernels.py ;;
+        tests)
+            # One worker per core where pytest-xdist is there: most of the time is Triton compiling kernels.
+            workers=()
+            "$python" -c "import xdist" 2>/dev/null && workers=(-n auto)
+            run tests env SWITCHHEAD_TEST_DEVICE=cuda "$python" -m pytest -q -p no:cacheprovider "${workers[@]}" \
+                ../tests/test_kernels.py ;;
         table) run table "$python" kernels.py --no-cpu ;;
         profile) run profile "$python" kernel_profile.py --n 16384 --other ;;
         frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
