@@ -1208,6 +1208,22 @@ def test_cuda_prefers_dense_follows_its_documented_rule():
     assert not tp.cuda_prefers_dense(n, 4, 4, 1, 16, 128, 412, torch.bfloat16)
 
 
+@pytest.mark.parametrize("n, slots, cells", [(1, 1, 1), (5, 3, 2), (37, 8, 5), (64, 6, 40)])
+def test_cell_sums_match_a_loop(n, slots, cells):
+    """The per-cell gate sums the dense regime scatters on CUDA (deterministic where slots meet) against a loop
+    over slots, with many slots sharing a cell when cells are few."""
+    gen = torch.Generator().manual_seed(n * slots + cells)
+    pos = torch.randint(cells, (n, slots), generator=gen)
+    val = torch.randn(n, slots, generator=gen, dtype=torch.float64)
+    want = torch.zeros(n, slots, dtype=torch.float64)
+    for t, s, s2 in itertools.product(range(n), range(slots), range(slots)):
+        if pos[t, s] == pos[t, s2]:
+            want[t, s] += val[t, s2]
+    torch.testing.assert_close(torch_paths.cell_sums(pos, val), want)
+    dense = torch.zeros(n, cells, dtype=torch.float64).scatter_(1, pos, torch_paths.cell_sums(pos, val))
+    torch.testing.assert_close(dense, torch.zeros(n, cells, dtype=torch.float64).scatter_add_(1, pos, val))
+
+
 def test_op_where_cuda_runs_dense_matches_naive_loop(monkeypatch):
     """A shape the automatic choice runs as dense_forward on CUDA (and the Triton backward): output and gradients
     against the float64 loop. On the CPU the same call takes the PyTorch paths."""

@@ -445,16 +445,35 @@ def dense_expands_inputs(n_in: int, n_out: int) -> bool:
     return n_in <= n_out
 
 
-def _gate_matrix(gate: Tensor | None, pos: Tensor, cells: int, dtype) -> Tensor:
-    """[N, cells]: each slot's gate (1 without gates) added at its position in `pos` ([N, S])."""
+def _gate_matrix(gate: Tensor | None, pos: Tensor, cells: int, dtype, reproducible: bool = False) -> Tensor:
+    """[N, cells]: each slot's gate (1 without gates) added at its position in `pos` ([N, S]). `reproducible`: the
+    same bits every run on CUDA too (for the gradients; see below)."""
     val = gate.to(dtype) if gate is not None else torch.ones(pos.shape, dtype=dtype, device=pos.device)
-    return torch.zeros(pos.shape[0], cells, dtype=dtype, device=pos.device).scatter_add_(1, pos, val)
+    out = torch.zeros(pos.shape[0], cells, dtype=dtype, device=pos.device)
+    if not (pos.is_cuda and reproducible):
+        return out.scatter_add_(1, pos, val)
+    # CUDA's scatter_add_ adds the slots that meet in one cell atomically, in no fixed order: three or more then
+    # round differently from run to run, and so would the weight gradients built from them. Each cell's sum is
+    # taken first, and written by every slot that meets there (the same value, whichever write lands). The forward
+    # keeps the one scatter_add_: the three launches more cost its 262M O dense forward 9-18 us on an H200, and
+    # top-k routing never puts two slots in one cell (a head's experts are distinct).
+    return out.scatter_(1, pos, cell_sums(pos, val))
 
 
-def _coefficients(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype) -> Tensor:
+def cell_sums(pos: Tensor, val: Tensor) -> Tensor:
+    """[N, S]: for each slot, the sum of `val` over the slots of its row at the same position (its own included),
+    reduced in a fixed order."""
+    same = pos.unsqueeze(2) == pos.unsqueeze(1)  # [N, S, S]
+    return torch.where(same, val.unsqueeze(1), 0).sum(2)
+
+
+def _coefficients(
+    index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype, reproducible: bool = False
+) -> Tensor:
     """C[n, r * E + e, i] = sum of the gates of the slots that read row i through expert e into output row r."""
     pos = _expert_rows(index, n_out, n_experts) * n_in + _slot_rows(index.shape[1], n_in, index.device)
-    return _gate_matrix(gate, pos, n_out * n_experts * n_in, dtype).view(index.shape[0], n_out * n_experts, n_in)
+    c = _gate_matrix(gate, pos, n_out * n_experts * n_in, dtype, reproducible)
+    return c.view(index.shape[0], n_out * n_experts, n_in)
 
 
 def _expert_rows(index: Tensor, rows: int, n_experts: int) -> Tensor:
@@ -474,11 +493,13 @@ def _all_experts(x: Tensor, weight: Tensor) -> Tensor:
     return (x.reshape(n * n_in, d_in) @ _experts_side_by_side(weight)).view(n, n_in * n_experts, d_out)
 
 
-def _output_gates(index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype) -> Tensor:
+def _output_gates(
+    index: Tensor, gate: Tensor | None, n_in: int, n_out: int, n_experts: int, dtype, reproducible: bool = False
+) -> Tensor:
     """[N, R, I*E]: the gates that carry each row of `_all_experts` into each output row (summed where slots meet)."""
     n, slots = index.shape
     pos = _slot_rows(slots, n_out, index.device) * (n_in * n_experts) + _expert_rows(index, n_in, n_experts)
-    return _gate_matrix(gate, pos, n_out * n_in * n_experts, dtype).view(n, n_out, n_in * n_experts)
+    return _gate_matrix(gate, pos, n_out * n_in * n_experts, dtype, reproducible).view(n, n_out, n_in * n_experts)
 
 
 def dense_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
@@ -517,7 +538,7 @@ def dense_expanded_grads(
     n, n_in, d_in = x.shape
     n_experts, _, d_out = weight.shape
     dtype = dtype or x.dtype
-    c = _output_gates(index, gate, n_in, grad.shape[1], n_experts, dtype)
+    c = _output_gates(index, gate, n_in, grad.shape[1], n_experts, dtype, reproducible=True)
     grad_y = torch.bmm(c.transpose(1, 2), grad.to(dtype)).view(n * n_in, n_experts * d_out).to(x.dtype)
     x_t = x.reshape(n * n_in, d_in).t()
     if n * n_in <= DENSE_SPLIT_MAX_ROWS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
@@ -546,7 +567,7 @@ def dense_weight_grad(grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, ga
     n_in, n_out = x.shape[1], grad.shape[1]
     if dense_expands_inputs(n_in, n_out):
         return dense_expanded_grads(grad, x, weight, index, gate, False, True)[1]
-    c = _coefficients(index, gate, n_in, n_out, weight.shape[0], x.dtype)
+    c = _coefficients(index, gate, n_in, n_out, weight.shape[0], x.dtype, reproducible=True)
     return _contracted_weight_grad(c, x, grad.reshape(-1, weight.shape[2]).to(x.dtype), weight)
 
 
@@ -570,7 +591,7 @@ def dense_backward(
             grad_gate = dots.view(n, n_in * n_experts * n_out).gather(1, pick).to(gate.dtype)
         grad_x, grad_w = dense_expanded_grads(g, x, weight, index, gate, True, need_weight_grad, acc)
         return grad_x, grad_w, grad_gate
-    c = _coefficients(index, gate, n_in, n_out, n_experts, x.dtype)
+    c = _coefficients(index, gate, n_in, n_out, n_experts, x.dtype, reproducible=True)
     g2 = grad.reshape(n * n_out, d_out).to(x.dtype)
     w_flat = weight.reshape(n_experts * d_in, d_out)
     grad_w = _contracted_weight_grad(c, x, g2, weight) if need_weight_grad else weight.new_empty(0)
