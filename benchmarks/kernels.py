@@ -248,8 +248,9 @@ def regime_table(
     """Each named regime, and with `against` the same regime as of that git revision beside it. `triton`: the
     Triton kernels first, then their backward with grad_x ("cuBLAS dx", `dense_grad_x`), the weight gradient
     ("cuBLAS dw", `dense_grad_w`) or both ("cuBLAS dx+dw") by cuBLAS (forward: the kernels'), then the op as
-    SWITCHHEAD_KERNEL sets it (unset on CUDA: the kernels, or dense_forward where `torch_paths.cuda_prefers_dense`),
-    and no auto column (that is the CPU's choice)."""
+    SWITCHHEAD_KERNEL sets it (unset on CUDA: the kernels, or dense_forward where `torch_paths.cuda_prefers_dense`
+    and "cuBLAS dx+dw" where `torch_paths.cuda_prefers_dense_backward`), and no auto column (that is the CPU's
+    choice)."""
     sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
     variants = {}
     if triton:
@@ -450,8 +451,8 @@ def gpu_table(
     lines = _table("| case | dtype | N | " + " | ".join(
         f"{timer} {step} ms op | cuBLAS | %" for timer in ("GPU", "wall") for step in steps
     ) + " |")  # fmt: skip
-    # On CUDA the op as it runs by default (the kernels, or dense_forward where cuda_prefers_dense); elsewhere the
-    # kernels through the interpreter
+    # On CUDA the op as it runs by default (the kernels, or dense_forward where cuda_prefers_dense and cuBLAS grad_x
+    # and weight gradient where cuda_prefers_dense_backward); elsewhere the kernels through the interpreter
     saved = os.environ.get("SWITCHHEAD_KERNEL")
     if device != "cuda":
         os.environ["SWITCHHEAD_KERNEL"] = "triton"

@@ -1224,6 +1224,54 @@ def test_cell_sums_match_a_loop(n, slots, cells):
     torch.testing.assert_close(dense, torch.zeros(n, cells, dtype=torch.float64).scatter_add_(1, pos, val))
 
 
+def test_cuda_prefers_dense_backward_is_the_forward_rule_on_the_transposed_shape():
+    """grad_x of a shape expanding I < R rows is the forward of the transposed shape (R rows in, I out, D_out ->
+    D_in): cuBLAS takes the backward where the forward's rule takes that forward, from
+    CUDA_DENSE_BACKWARD_MIN_TOKENS tokens; never below, for fp32 or for shapes contracting rows."""
+    tp = torch_paths
+    n = tp.CUDA_DENSE_BACKWARD_MIN_TOKENS
+    assert n >= tp.CUDA_DENSE_MIN_TOKENS
+    v = dict(n_in=1, slots=8, n_out=4, d_in=1024, d_out=112)  # 262M V: 4 heads, k = 2
+    budget = v["slots"] * v["d_in"] * tp.CUDA_ATOMIC_MACS - tp.CUDA_DENSE_OVERHEAD_MACS
+    max_experts = math.ceil(budget / (v["d_in"] * v["d_out"])) - 1  # grad_x adds D_in-wide rows, atomically
+    assert 16 <= max_experts  # 262M V itself (16 experts) is a dense shape
+    for dtype in (torch.bfloat16, torch.float16):
+        assert tp.cuda_prefers_dense_backward(n, **v, n_experts=max_experts, dtype=dtype)
+        assert not tp.cuda_prefers_dense_backward(n, **v, n_experts=max_experts + 1, dtype=dtype)
+        assert not tp.cuda_prefers_dense_backward(n - 1, **v, n_experts=16, dtype=dtype)
+        assert tp.cuda_prefers_dense_backward(n, **v, n_experts=16, dtype=dtype)
+        # the forward of 262M O (its transpose) is dense, its backward is not; nor is one with I = R
+        assert tp.cuda_prefers_dense(n, 4, 8, 1, 16, 112, 1024, dtype)
+        assert not tp.cuda_prefers_dense_backward(n, 4, 8, 1, 16, 112, 1024, dtype)
+        assert not tp.cuda_prefers_dense_backward(n, 1, 8, 1, 1, 112, 1024, dtype)
+    assert not tp.cuda_prefers_dense_backward(n, **v, n_experts=16, dtype=torch.float32)
+    # 47M V and sigma-MoE up: the kernels
+    assert not tp.cuda_prefers_dense_backward(4 * n, 1, 6, 2, 10, 412, 76, torch.bfloat16)
+    assert not tp.cuda_prefers_dense_backward(4 * n, 1, 4, 4, 16, 412, 128, torch.bfloat16)
+
+
+def test_op_where_cuda_runs_dense_backward_matches_naive_loop(monkeypatch):
+    """A shape whose backward the automatic choice runs with grad_x and the weight gradient by cuBLAS on CUDA (and
+    the gate gradient by the kernels): output and gradients against the float64 loop. On the CPU the same call
+    takes the PyTorch paths."""
+    from switchhead.kernels import ops
+
+    monkeypatch.delenv("SWITCHHEAD_KERNEL", raising=False)
+    # fewer tokens than the rule's minimum, which the float64 loop would take minutes over on the CPU
+    monkeypatch.setattr(torch_paths, "CUDA_DENSE_MIN_TOKENS", 40)
+    monkeypatch.setattr(torch_paths, "CUDA_DENSE_BACKWARD_MIN_TOKENS", 40)
+    shape = Shape(43, 1, 8, 4, 8, 520, 24)
+    exact, cast = make(shape, torch.bfloat16)
+    x, w, index, _, _ = on_device(cast)
+    dims = shape.n, shape.n_in, shape.slots, shape.n_out, shape.experts, shape.d_in, shape.d_out
+    assert torch_paths.cuda_prefers_dense_backward(*dims, torch.bfloat16)  # the shape tests what it says
+    rule = torch_paths.cuda_prefers_dense_backward
+    assert ops._dense_on_cuda(x, w, index, shape.n_out, rule) == (DEVICE == "cuda")
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.bfloat16)
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")  # forced: the kernels, whatever the shape
+    assert not ops._dense_on_cuda(x, w, index, shape.n_out, rule)
+
+
 def test_op_where_cuda_runs_dense_matches_naive_loop(monkeypatch):
     """A shape the automatic choice runs as dense_forward on CUDA (and the Triton backward): output and gradients
     against the float64 loop. On the CPU the same call takes the PyTorch paths."""

@@ -39,10 +39,11 @@ modes and transforms.
 
 Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`; float64 ones -> PyTorch, since the
 kernels accumulate in float32; and the fp16/bf16 forward of the O-like shapes where cuBLAS is measured faster ->
-PyTorch's dense regime, `torch_paths.cuda_prefers_dense`), anything else -> PyTorch (`torch_paths`, which picks a
-regime by shape). The environment variable ``SWITCHHEAD_KERNEL`` (read at every call) overrides this: ``triton``
-(the kernels for every call; on CPU tensors this needs ``TRITON_INTERPRET=1``; not for float64), ``torch``,
-``reference`` (`reference`: slow, obviously correct) or ``auto``/unset.
+PyTorch's dense regime, `torch_paths.cuda_prefers_dense`; likewise grad_x and the weight gradient of the V-like
+shapes where that is measured faster, `torch_paths.cuda_prefers_dense_backward`), anything else -> PyTorch
+(`torch_paths`, which picks a regime by shape). The environment variable ``SWITCHHEAD_KERNEL`` (read at every
+call) overrides this: ``triton`` (the kernels for every call; on CPU tensors this needs ``TRITON_INTERPRET=1``;
+not for float64), ``torch``, ``reference`` (`reference`: slow, obviously correct) or ``auto``/unset.
 """
 
 from __future__ import annotations
@@ -219,12 +220,13 @@ def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_ou
         return torch_paths.forward(x, weight, index, gate, n_out)
 
 
-def _dense_on_cuda(x: Tensor, weight: Tensor, index: Tensor, n_out: int) -> bool:
-    """The automatic choice (not a forced `triton`) on CUDA tensors of a shape whose forward cuBLAS runs faster."""
+def _dense_on_cuda(x: Tensor, weight: Tensor, index: Tensor, n_out: int, rule=torch_paths.cuda_prefers_dense) -> bool:
+    """The automatic choice (not a forced `triton`) on CUDA tensors of a shape whose forward (or, with
+    `torch_paths.cuda_prefers_dense_backward` as the rule, backward) cuBLAS runs faster."""
     if not x.is_cuda:
         return False
     shape = x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape
-    return torch_paths.cuda_prefers_dense(*shape, x.dtype) and _choice() == "auto"
+    return rule(*shape, x.dtype) and _choice() == "auto"
 
 
 def _autocast_off(t: Tensor) -> AbstractContextManager:
@@ -256,7 +258,8 @@ def expert_projection_backward(
     args = grad, x, weight, index, gate, need_gate_grad, need_weight_grad
     with _autocast_off(x):
         if backend == "triton":
-            return _triton().backward(*args)
+            dense = _dense_on_cuda(x, weight, index, grad.shape[1], torch_paths.cuda_prefers_dense_backward)
+            return _triton().backward(*args, dense_grad_x=dense, dense_grad_w=dense)
         if backend == "reference":
             return reference.backward(*args)
         return torch_paths.backward(*args)

@@ -308,7 +308,8 @@ def choose_regime(
 
 
 # On CUDA the Triton kernels run every call, except the forward of shapes that contract their inputs (I > R, the
-# O projections) in fp16/bf16 where cuBLAS running dense_forward is faster: the kernels' forward there is bound by
+# O projections) in fp16/bf16 where cuBLAS running dense_forward is faster (and the backward of the transposed
+# shapes, see cuda_prefers_dense_backward): the kernels' forward there is bound by
 # its fp32 atomic adds (S*D_out per token), dense's by one GEMM of R*E*D_in*D_out MACs per token plus the gated
 # inputs it builds first (a per-token cost of about CUDA_DENSE_OVERHEAD_MACS). `python benchmarks/kernels.py --n
 # 4096 16384 --regimes dense --device cuda --dtype bfloat16` with and without `--case` shapes (docs/BENCHMARKS.md),
@@ -330,6 +331,26 @@ def cuda_prefers_dense(
         return False
     dense_macs = n_out * n_experts * d_in * d_out + CUDA_DENSE_OVERHEAD_MACS
     return dense_macs < slots * d_out * CUDA_ATOMIC_MACS
+
+
+# `python benchmarks/kernels.py --n 1024 4096 16384 --regimes dense --device cuda --dtype bfloat16`, two runs on
+# H200s, GPU time of the backward with grad_x and the weight gradient by cuBLAS vs the kernels: 262M V 0.61-0.79x
+# from 4096 tokens but 1.07x at 1024; 47M V (its transpose not dense either) 0.88-0.97x at 16384, 1.03-1.22x at
+# 4096; every other model shape 1.8-12x (docs/BENCHMARKS.md).
+CUDA_DENSE_BACKWARD_MIN_TOKENS = 4096
+
+
+def cuda_prefers_dense_backward(
+    n: int, n_in: int, slots: int, n_out: int, n_experts: int, d_in: int, d_out: int, dtype: torch.dtype
+) -> bool:
+    """Whether the backward of this shape on CUDA runs faster with grad_x and the weight gradient by cuBLAS
+    (`dense_expanded_grads`) than by the Triton kernels. grad_x of a shape expanding I < R rows is the forward of
+    the transposed shape (R rows in, I out, D_out -> D_in): the same atomic adds in the kernels, the same GEMM in
+    cuBLAS, so the forward's rule decides, from CUDA_DENSE_BACKWARD_MIN_TOKENS tokens (the gate gradient then costs
+    the kernels a pass of their own)."""
+    if n < CUDA_DENSE_BACKWARD_MIN_TOKENS:
+        return False
+    return cuda_prefers_dense(n, n_out, slots, n_in, n_experts, d_out, d_in, dtype)
 
 
 def block_rows(d_in: int, d_out: int) -> int:
