@@ -8,12 +8,13 @@
 # table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), frozen (forward + backward with
 # the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM,
 # beside the Triton kernels, the kernels with grad_x and/or the weight gradient by cuBLAS, and the op as it runs
-# by default: bf16, N = 1024, 4096 and 16384).
+# by default: bf16, N = 1024, 4096 and 16384), splits (the kernels' backward with the weight gradient's pairs in
+# 1, 2, 4 and 8 chunks per expert, beside the count the geometry picks: bf16, N = 4096 and 16384).
 # A step that fails stops the run: timings of kernels that fail their tests mean nothing.
 # PYTHON picks the interpreter (default: python3).
 set -euo pipefail
 
-steps_all=(tests table profile frozen dense)
+steps_all=(tests table profile frozen dense splits)
 if [[ $# -lt 1 || $1 == -* ]]; then
     echo "usage: bash benchmarks/gpu.sh OUT_DIR [${steps_all[*]}]" >&2
     exit 2
@@ -58,6 +59,7 @@ for step in "${steps[@]}"; do
         profile) run profile "$python" kernel_profile.py --n 16384 --other ;;
         frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
         dense) run dense "$python" kernels.py --n 1024 4096 16384 --regimes dense --device cuda --dtype bfloat16 ;;
+        splits) run splits "$python" kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16 ;;
     esac
 done
 echo "gpu.sh: done; outputs in $out"

@@ -11,6 +11,7 @@
     python benchmarks/kernels.py --n 256 4096 --frozen    # forward+backward with the weight trained and frozen
     python benchmarks/kernels.py --n 4096 16384 --regimes dense combo --device cuda --dtype bfloat16   # vs Triton
     python benchmarks/kernels.py --n 4096 --regimes dense --case O6 112 1024 4 1 4 6 2   # --regimes on other shapes
+    python benchmarks/kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16   # weight-gradient chunks
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -30,7 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -453,19 +455,63 @@ def gpu_table(
     ) + " |")  # fmt: skip
     # On CUDA the op as it runs by default (the kernels, or dense_forward where cuda_prefers_dense and cuBLAS grad_x
     # and weight gradient where cuda_prefers_dense_backward); elsewhere the kernels through the interpreter
-    saved = os.environ.get("SWITCHHEAD_KERNEL")
-    if device != "cuda":
-        os.environ["SWITCHHEAD_KERNEL"] = "triton"
-    try:
+    with _backend(None if device == "cuda" else "triton"):
         for dtype in (torch.float16, torch.bfloat16):
             for case in cases:
                 for n in ns:
                     _add_row(lines, _gpu_row(case, n, dtype, device, bench, gpu_time))
+    return lines
+
+
+@contextmanager
+def _backend(choice: str | None) -> Iterator[None]:
+    """SWITCHHEAD_KERNEL set to `choice` (None: left as it is) inside the block, restored after it."""
+    saved = os.environ.get("SWITCHHEAD_KERNEL")
+    if choice is not None:
+        os.environ["SWITCHHEAD_KERNEL"] = choice
+    try:
+        yield
     finally:
         if saved is None:
             os.environ.pop("SWITCHHEAD_KERNEL", None)
         else:
             os.environ["SWITCHHEAD_KERNEL"] = saved
+
+
+def split_table(
+    ns: list[int],
+    splits: list[int],
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    cases: list[Case] = CASES,
+    times: Callable[[Callable[[], object]], dict[str, float]] = kernel_times,
+) -> list[str]:
+    """The Triton backward (every gradient, by the kernels alone: no cuBLAS route) with each expert's pairs cut into
+    each of `splits` chunks for the weight gradient (`triton_kernels.WEIGHT_GRAD_SPLITS`), beside the count its
+    geometry picks: GPU time of the whole backward (the chunks' reduction included) and of the weight-gradient
+    kernel alone. `device` and `times` let the table run under the interpreter (timings meaningless)."""
+    from switchhead.kernels import triton_kernels
+
+    lines = _table("| case | dtype | N | splits by geometry | " + " | ".join(
+        f"{s} split{'s' * (s > 1)}: bwd ms | dw kernel us" for s in splits
+    ) + " |")  # fmt: skip
+    with _backend("triton"):
+        tk = triton_kernels.load()
+        for case in cases:
+            for n in ns:
+                x, w, index, gate = make_inputs(case, n, dtype, device)
+                grad = torch.randn(n, case.n_out, case.d_out, device=device, dtype=dtype)
+                d_in, d_out = tk._aligned(case.d_in, tk.ALIGN), tk._aligned(case.d_out, tk.ALIGN)
+                auto = tk._weight_grad_splits(w.shape[0], d_in, d_out, tk._bucket(n * case.slots), x.device)
+                cells = []
+                for s in splits:
+                    tk.WEIGHT_GRAD_SPLITS = s
+                    try:
+                        t = times(_call(expert_projection_backward, grad, x, w, index, gate, gate is not None, True))
+                    finally:
+                        tk.WEIGHT_GRAD_SPLITS = 0
+                    cells.append(f"{sum(t.values()):.4f} | {1e3 * t.get('_weight_grad_kernel', 0.0):.0f}")
+                _add_row(lines, f"| {case.name} | {str(dtype)[6:]} | {n} | {auto} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -553,6 +599,13 @@ def main() -> None:
     parser.add_argument(
         "--gpu-n", type=int, nargs="+", default=[1, 256, 4096, 16384], help="token counts of the GPU table"
     )
+    parser.add_argument(
+        "--weight-grad-splits",
+        type=int,
+        nargs="+",
+        metavar="S",
+        help="only time the Triton backward with the weight gradient's pairs in S chunks per expert (CUDA)",
+    )
     args = parser.parse_args()
     if min(args.n + args.gpu_n) < 1 or args.threads < 0 or min(args.block_elements or [0]) < 0:
         parser.error("--n and --gpu-n must be at least 1, --threads and --block-elements at least 0")
@@ -567,6 +620,13 @@ def main() -> None:
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()},"
         f" CPU regime costs {torch_paths.this_cpu()}"
     )
+    if args.weight_grad_splits:
+        if min(args.weight_grad_splits) < 1 or not torch.cuda.is_available():
+            parser.error("--weight-grad-splits needs counts of at least 1 and a CUDA device")
+        print(f"\n## GPU ({torch.cuda.get_device_name()}): the Triton backward by weight-gradient chunks per expert "
+              f"({args.dtype}, GPU time)\n")  # fmt: skip
+        split_table(args.n, args.weight_grad_splits, getattr(torch, args.dtype))
+        return
     if args.device == "cuda" and not ((args.regimes or args.frozen) and torch.cuda.is_available()):
         parser.error("--device cuda needs --regimes or --frozen, and a CUDA device")
     if args.frozen:

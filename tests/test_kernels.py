@@ -356,6 +356,21 @@ def test_triton_weight_grad_in_chunks(shape, dtype, backend, monkeypatch):
     assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
 
 
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_triton_weight_grad_forced_chunk_count(count, backend, monkeypatch):
+    """WEIGHT_GRAD_SPLITS overrides the geometry (for the benchmark that times each count): any count, one that
+    does not divide the pairs or leaves chunks empty included, still adds up to the whole gradient."""
+    from switchhead.kernels import triton_kernels
+
+    backend("triton")
+    tk = triton_kernels.load()
+    monkeypatch.setattr(tk, "WEIGHT_GRAD_SPLITS", count)
+    assert tk._weight_grad_splits(8, 16, 24, 1 << 20, torch.device(DEVICE)) == count
+    shape = Shape(37, 1, 6, 2, 8, 20, 12)
+    exact, cast = make(shape)
+    assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.float32)
+
+
 @pytest.mark.parametrize("chunks", [False, True], ids=["whole", "chunks"])
 def test_triton_weight_grad_is_deterministic(chunks, backend, monkeypatch):
     backend("triton")
@@ -880,6 +895,34 @@ def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
         assert len(r) == 3 + 3 * 4, r
         for first in range(3, 3 + 3 * 4, 3):
             assert float(r[first]) > 0 and float(r[first + 1]) > 0 and r[first + 2].strip().endswith("%"), r
+
+
+def test_weight_grad_split_table_runs_under_the_interpreter(backend, monkeypatch):
+    """`benchmarks/kernels.py --weight-grad-splits`, run on the CPU through the interpreter with tiny cases: one row
+    per case and N, every count really launched (the gradients it times are the same for each), the knob reset."""
+    from switchhead.kernels import triton_kernels
+
+    backend("triton")  # TRITON_INTERPRET on the CPU
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "torch")  # the table forces the kernels itself and puts this back
+    bench_module = _benchmark_module()
+    Case = bench_module.Case
+    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    tk = triton_kernels.load()
+    seen, grads = [], []
+
+    def times(fn):
+        seen.append(tk.WEIGHT_GRAD_SPLITS)
+        grads.append(fn()[1])
+        return {"_weight_grad_kernel": _time_once(fn)}
+
+    lines = bench_module.split_table([9], [1, 3], torch.float32, DEVICE, cases, times)
+    assert os.environ["SWITCHHEAD_KERNEL"] == "torch" and tk.WEIGHT_GRAD_SPLITS == 0
+    assert seen == [1, 3, 1, 3]
+    for first, second in (grads[:2], grads[2:]):
+        torch.testing.assert_close(first, second)
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), int(r[2]), int(r[3])) for r in rows] == [(c.name, 9, 1) for c in cases]
+    assert all(len(r) == 4 + 2 * 2 and all(float(v) > 0 for v in r[4:]) for r in rows), rows
 
 
 def test_gpu_regime_table_runs_under_the_interpreter(backend):

@@ -83,6 +83,9 @@ GATHER_MAX_TOKENS = 8
 # not a measurement: it has not been timed against the unsplit kernel on a GPU.
 WEIGHT_GRAD_MAX_SPLITS = 8
 WEIGHT_GRAD_MIN_PAIRS = 512
+# A chunk count that replaces the geometry above when > 0, so that `benchmarks/kernels.py --weight-grad-splits`
+# can time each count on a GPU.
+WEIGHT_GRAD_SPLITS = 0
 # SM count assumed where there is no CUDA device to ask (the interpreter and `gpu_build`): an H100's.
 NOMINAL_SMS = 132
 
@@ -564,7 +567,10 @@ def _weight_grad(
 
 def _weight_grad_splits(n_experts: int, d_in: int, d_out: int, pair_bucket: int, device: torch.device) -> int:
     """Chunks per expert for the weight gradient: enough for two programs per SM with 64 x 64 tiles, as long as a
-    chunk keeps WEIGHT_GRAD_MIN_PAIRS of the expert's expected pairs. Depends only on the shapes and the GPU."""
+    chunk keeps WEIGHT_GRAD_MIN_PAIRS of the expert's expected pairs. Depends only on the shapes and the GPU
+    (and WEIGHT_GRAD_SPLITS)."""
+    if WEIGHT_GRAD_SPLITS > 0:
+        return WEIGHT_GRAD_SPLITS
     programs = n_experts * triton.cdiv(d_in, 64) * triton.cdiv(d_out, 64)
     wanted = triton.cdiv(2 * _sm_count(device), programs)
     affordable = pair_bucket // (n_experts * WEIGHT_GRAD_MIN_PAIRS)
