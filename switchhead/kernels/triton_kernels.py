@@ -76,13 +76,17 @@ _BUILD = {"enable_fp_fusion": True}
 GATHER_MAX_TOKENS = 8
 
 # The weight gradient has one program per (expert, D_in tile, D_out tile). When that is few programs for the GPU
-# (47M: 10 experts x 7 x 2 tiles of 64 = 140 programs for 132 SMs on an H100), each expert's pairs are split into
-# up to this many chunks, summed in a fixed order afterwards, so that every SM gets at least two programs. Chunks
-# average at least WEIGHT_GRAD_MIN_PAIRS of the pair count rounded up to a power of two (the autotune bucket, so
-# at least half that many real pairs): their partial tiles, written in fp32, stay a small extra cost. Geometry,
-# not a measurement: it has not been timed against the unsplit kernel on a GPU.
+# (47M: 10 experts x 7 x 2 tiles of 64 = 140 programs for 132 SMs on an H100 or H200), each expert's pairs are
+# split into chunks, summed in a fixed order afterwards: as many as come closest to WEIGHT_GRAD_PROGRAMS_PER_SM
+# programs per SM, at most WEIGHT_GRAD_MAX_SPLITS, and only while chunks average at least WEIGHT_GRAD_MIN_PAIRS of
+# the pair count rounded up to a power of two (the autotune bucket). Fitted to `gpu.sh splits` on an H200
+# (docs/BENCHMARKS.md, bf16): the 47M shapes' backward at N = 16384 took 0.87-0.90x the GPU time in 4 chunks
+# that it took in 2 (8: within 4 % of 4); 512 programs (262M) ran fastest unsplit; and the fp32 partial sums
+# and their reduction cost more than they saved at 1024 bucketed pairs per expert (sigma-MoE, N = 4096:
+# 1.08-1.13x the unsplit backward in 2 chunks), but not at 3277 (47M, N = 4096: 0.79-0.83x in 4).
+WEIGHT_GRAD_PROGRAMS_PER_SM = 4
 WEIGHT_GRAD_MAX_SPLITS = 8
-WEIGHT_GRAD_MIN_PAIRS = 512
+WEIGHT_GRAD_MIN_PAIRS = 768
 # A chunk count that replaces the geometry above when > 0, so that `benchmarks/kernels.py --weight-grad-splits`
 # can time each count on a GPU.
 WEIGHT_GRAD_SPLITS = 0
@@ -566,13 +570,13 @@ def _weight_grad(
 
 
 def _weight_grad_splits(n_experts: int, d_in: int, d_out: int, pair_bucket: int, device: torch.device) -> int:
-    """Chunks per expert for the weight gradient: enough for two programs per SM with 64 x 64 tiles, as long as a
-    chunk keeps WEIGHT_GRAD_MIN_PAIRS of the expert's expected pairs. Depends only on the shapes and the GPU
-    (and WEIGHT_GRAD_SPLITS)."""
+    """Chunks per expert for the weight gradient: the count closest to WEIGHT_GRAD_PROGRAMS_PER_SM programs per SM
+    with 64 x 64 tiles, as long as a chunk keeps WEIGHT_GRAD_MIN_PAIRS of the expert's expected pairs. Depends
+    only on the shapes and the GPU (and WEIGHT_GRAD_SPLITS)."""
     if WEIGHT_GRAD_SPLITS > 0:
         return WEIGHT_GRAD_SPLITS
     programs = n_experts * triton.cdiv(d_in, 64) * triton.cdiv(d_out, 64)
-    wanted = triton.cdiv(2 * _sm_count(device), programs)
+    wanted = round(WEIGHT_GRAD_PROGRAMS_PER_SM * _sm_count(device) / programs)
     affordable = pair_bucket // (n_experts * WEIGHT_GRAD_MIN_PAIRS)
     return max(1, min(wanted, affordable, WEIGHT_GRAD_MAX_SPLITS))
 
