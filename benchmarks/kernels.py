@@ -478,6 +478,16 @@ def _backend(choice: str | None) -> Iterator[None]:
             os.environ["SWITCHHEAD_KERNEL"] = saved
 
 
+def geometry_splits(case: Case, n: int, device: torch.device) -> int:
+    """The weight gradient's chunks per expert that the op picks for `case` at N tokens: the backward's padded
+    widths and pair bucket, on `device`'s SM count (NOMINAL_SMS off CUDA)."""
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    d_in, d_out = tk._aligned(case.d_in, tk.ALIGN), tk._aligned(case.d_out, tk.ALIGN)
+    return tk._weight_grad_splits(case.heads * case.experts, d_in, d_out, tk._bucket(n * case.slots), device)
+
+
 def split_table(
     ns: list[int],
     splits: list[int],
@@ -501,8 +511,7 @@ def split_table(
             for n in ns:
                 x, w, index, gate = make_inputs(case, n, dtype, device)
                 grad = torch.randn(n, case.n_out, case.d_out, device=device, dtype=dtype)
-                d_in, d_out = tk._aligned(case.d_in, tk.ALIGN), tk._aligned(case.d_out, tk.ALIGN)
-                auto = tk._weight_grad_splits(w.shape[0], d_in, d_out, tk._bucket(n * case.slots), x.device)
+                auto = geometry_splits(case, n, x.device)
                 cells = []
                 for s in splits:
                     tk.WEIGHT_GRAD_SPLITS = s

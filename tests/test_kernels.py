@@ -356,22 +356,21 @@ def test_triton_weight_grad_in_chunks(shape, dtype, backend, monkeypatch):
     assert_matches(via_op(shape, cast), naive_all(shape, exact), dtype)
 
 
-# (experts, padded D_in, padded D_out, pairs, chunks): the benchmark shapes at the counts that ran fastest, or
-# within 4 % of the fastest, in `gpu.sh splits` on an H200 (132 SMs, as NOMINAL_SMS): 47M V and O in 4 chunks
-# from 4096 tokens, 262M never split, sigma-MoE up/down whole at 4096 tokens and in 2 at 16384.
+# Every row of `gpu.sh splits` on an H200 (132 SMs, as NOMINAL_SMS; docs/BENCHMARKS.md): the benchmark shape, N
+# and a chunk count that ran fastest or within 4 % of the fastest there.
 @pytest.mark.parametrize(
-    "geometry",
-    [(10, 416, 80, 6 * 4096, 4), (10, 80, 416, 6 * 16384, 4), (10, 416, 80, 6 * 1024, 1), (16, 1024, 112, 8 * 4096, 1),
-     (16, 112, 1024, 8 * 16384, 1), (16, 416, 128, 4 * 4096, 1), (16, 128, 416, 4 * 16384, 2)],
-    ids=str,
+    "name, n, chunks",
+    [("47M V", 4096, 4), ("47M V", 16384, 4), ("47M O", 4096, 4), ("47M O", 16384, 4), ("262M V", 4096, 1),
+     ("262M V", 16384, 1), ("262M O", 4096, 1), ("262M O", 16384, 1), ("sMoE up", 4096, 1), ("sMoE up", 16384, 2),
+     ("sMoE down", 4096, 1), ("sMoE down", 16384, 2)],
 )  # fmt: skip
-def test_weight_grad_chunk_count_follows_the_timings(geometry):
+def test_weight_grad_chunk_count_follows_the_timings(name, n, chunks):
     from switchhead.kernels import triton_kernels
 
-    tk = triton_kernels.load()
-    experts, d_in, d_out, pairs, chunks = geometry
-    assert tk._sm_count(torch.device("cpu")) == 132
-    assert tk._weight_grad_splits(experts, d_in, d_out, tk._bucket(pairs), torch.device("cpu")) == chunks
+    bench_module = _benchmark_module()
+    (case,) = [c for c in bench_module.CASES if c.name == name]
+    assert triton_kernels.load()._sm_count(torch.device("cpu")) == 132
+    assert bench_module.geometry_splits(case, n, torch.device("cpu")) == chunks
 
 
 @pytest.mark.parametrize("count", [1, 3, 8])
