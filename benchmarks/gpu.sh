@@ -9,14 +9,17 @@
 # the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM,
 # beside the Triton kernels, the kernels with grad_x and/or the weight gradient by cuBLAS, and the op as it runs
 # by default: bf16, N = 1024, 4096 and 16384), splits (the kernels' backward with the weight gradient's pairs in
-# 1, 2, 4 and 8 chunks per expert, beside the count the geometry picks: bf16, N = 4096 and 16384).
+# 1, 2, 4 and 8 chunks per expert, beside the count the geometry picks: bf16, N = 4096 and 16384), against (the
+# Triton kernels beside themselves as of AGAINST, a git revision or a directory holding an old checkout, e.g. one
+# made with `git worktree add scratch/old REV`: bf16, N = 4096 and 16384; only when named).
 # A step that fails stops the run: timings of kernels that fail their tests mean nothing.
 # PYTHON picks the interpreter (default: python3).
 set -euo pipefail
 
 steps_all=(tests table profile frozen dense splits)
+steps_named=("${steps_all[@]}" against)  # run only when named
 if [[ $# -lt 1 || $1 == -* ]]; then
-    echo "usage: bash benchmarks/gpu.sh OUT_DIR [${steps_all[*]}]" >&2
+    echo "usage: [AGAINST=REV] bash benchmarks/gpu.sh OUT_DIR [${steps_named[*]}]" >&2
     exit 2
 fi
 out=$1
@@ -24,8 +27,12 @@ shift
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=("${steps_all[@]}")
 for step in "${steps[@]}"; do
-    if [[ " ${steps_all[*]} " != *" $step "* ]]; then
-        echo "gpu.sh: unknown step '$step'; steps: ${steps_all[*]}" >&2
+    if [[ " ${steps_named[*]} " != *" $step "* ]]; then
+        echo "gpu.sh: unknown step '$step'; steps: ${steps_named[*]}" >&2
+        exit 2
+    fi
+    if [[ $step == against && -z ${AGAINST:-} ]]; then
+        echo "gpu.sh: the step 'against' needs AGAINST=REV (a git revision or an old checkout's directory)" >&2
         exit 2
     fi
 done
@@ -60,6 +67,11 @@ for step in "${steps[@]}"; do
         frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
         dense) run dense "$python" kernels.py --n 1024 4096 16384 --regimes dense --device cuda --dtype bfloat16 ;;
         splits) run splits "$python" kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16 ;;
+        against)
+            # a relative directory is the repository's
+            against=$AGAINST
+            [[ -d $root/$against ]] && against=$root/$against
+            run against "$python" kernels.py --n 4096 16384 --device cuda --dtype bfloat16 --against "$against" ;;
     esac
 done
 echo "gpu.sh: done; outputs in $out"

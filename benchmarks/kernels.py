@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from types import ModuleType
 
 import torch
@@ -219,21 +219,37 @@ def _fwd_bwd_table(
     return lines
 
 
-def _paths_at(rev: str) -> ModuleType:
-    """switchhead/kernels/torch_paths.py as of git revision `rev`, to time beside the current one."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(
-        ["git", "show", f"{rev}:switchhead/kernels/torch_paths.py"], cwd=root, capture_output=True, text=True
-    )
-    if source.returncode:
-        sys.exit(f"--against {rev}: {source.stderr.strip()}")
-    path = os.path.join(tempfile.mkdtemp(), "torch_paths_at_rev.py")
+@cache
+def _module_at(rev: str, relpath: str) -> ModuleType:
+    """The module in `relpath` (from the repository root) as of git revision `rev`, or as it lies in the directory
+    `rev` (an old checkout, for machines where the repository has no git history), to time beside the current one;
+    loaded once (its kernels tuned once)."""
+    if os.path.isdir(rev):
+        try:
+            with open(os.path.join(rev, relpath)) as f:
+                text = f.read()
+        except OSError as e:
+            sys.exit(f"--against {rev}: {e}")
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        source = subprocess.run(["git", "show", f"{rev}:{relpath}"], cwd=root, capture_output=True, text=True)
+        if source.returncode:
+            sys.exit(f"--against {rev}: {source.stderr.strip()}")
+        text = source.stdout
+    # A file of its own: triton.jit reads its kernels' source back from it.
+    path = os.path.join(tempfile.mkdtemp(), os.path.basename(relpath))
     with open(path, "w") as f:
-        f.write(source.stdout)
-    spec = importlib.util.spec_from_file_location(f"torch_paths@{rev}", path)
-    module = importlib.util.module_from_spec(spec)
+        f.write(text)
+    name = f"{os.path.basename(relpath)[:-3]}@{rev}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _paths_at(rev: str) -> ModuleType:
+    """switchhead/kernels/torch_paths.py as of `rev` (see `_module_at`)."""
+    return _module_at(rev, "switchhead/kernels/torch_paths.py")
 
 
 def regime_table(
@@ -247,19 +263,22 @@ def regime_table(
     cases: list[Case] = CASES,
     triton: bool = False,
 ) -> list[str]:
-    """Each named regime, and with `against` the same regime as of that git revision beside it. `triton`: the
-    Triton kernels first, then their backward with grad_x ("cuBLAS dx", `dense_grad_x`), the weight gradient
-    ("cuBLAS dw", `dense_grad_w`) or both ("cuBLAS dx+dw") by cuBLAS (forward: the kernels'), then the op as
-    SWITCHHEAD_KERNEL sets it (unset on CUDA: the kernels, or dense_forward where `torch_paths.cuda_prefers_dense`
-    and "cuBLAS dx+dw" where `torch_paths.cuda_prefers_dense_backward`), and no auto column (that is the CPU's
-    choice)."""
-    sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against else [])
+    """Each named regime, and with `against` the same regime as of that git revision (or old checkout) beside it.
+    `triton`: the Triton kernels first (with `against`, beside them the kernels as of `against`), then their
+    backward with grad_x ("cuBLAS dx", `dense_grad_x`), the weight gradient ("cuBLAS dw", `dense_grad_w`) or both
+    ("cuBLAS dx+dw") by cuBLAS (forward: the kernels'), then the op as SWITCHHEAD_KERNEL sets it (unset on CUDA:
+    the kernels, or dense_forward where `torch_paths.cuda_prefers_dense` and "cuBLAS dx+dw" where
+    `torch_paths.cuda_prefers_dense_backward`), and no auto column (that is the CPU's choice)."""
+    sources = [("", torch_paths)] + ([(f" @{against}", _paths_at(against))] if against and regimes else [])
     variants = {}
     if triton:
         from switchhead.kernels import triton_kernels
 
         tk = triton_kernels.load()
         variants["triton"] = (tk.forward, tk.backward)
+        if against:
+            old = _module_at(against, "switchhead/kernels/triton_kernels.py")
+            variants[f"triton @{against}"] = (old.forward, old.backward)
         for name, dx, dw in (("cuBLAS dx", True, False), ("cuBLAS dw", False, True), ("cuBLAS dx+dw", True, True)):
             variants[name] = (tk.forward, partial(tk.backward, dense_grad_x=dx, dense_grad_w=dw))
         variants["op"] = (expert_projection, partial(expert_projection_backward, need_weight_grad=True))
@@ -577,7 +596,12 @@ def main() -> None:
         help="only time the grouped regime (or those of --regimes) at these block sizes (0: whole expert sets)",
     )
     parser.add_argument("--regimes", nargs="+", choices=list(torch_paths.FORWARD), help="only time these regimes")
-    parser.add_argument("--against", metavar="REV", help="with --regimes: also time them as of this git revision")
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="with --regimes (and with --device cuda, the Triton kernels): also time them as of this git revision or "
+        "as they lie in this directory (an old checkout)",
+    )
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -618,10 +642,10 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.n + args.gpu_n) < 1 or args.threads < 0 or min(args.block_elements or [0]) < 0:
         parser.error("--n and --gpu-n must be at least 1, --threads and --block-elements at least 0")
-    if args.against and not args.regimes:
-        parser.error("--against needs --regimes (it times named regimes beside their old code)")
-    if args.case and not args.regimes:
-        parser.error("--case needs --regimes")
+    if args.against and not (args.regimes or args.device == "cuda"):
+        parser.error("--against needs --regimes or --device cuda (it times regimes or kernels beside their old code)")
+    if args.case and not (args.regimes or args.against):
+        parser.error("--case needs --regimes or --against")
     cases = [parse_case(parser, c) for c in args.case] if args.case else CASES
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -636,8 +660,8 @@ def main() -> None:
               f"({args.dtype}, GPU time)\n")  # fmt: skip
         split_table(args.n, args.weight_grad_splits, getattr(torch, args.dtype))
         return
-    if args.device == "cuda" and not ((args.regimes or args.frozen) and torch.cuda.is_available()):
-        parser.error("--device cuda needs --regimes or --frozen, and a CUDA device")
+    if args.device == "cuda" and not ((args.regimes or args.frozen or args.against) and torch.cuda.is_available()):
+        parser.error("--device cuda needs --regimes, --against or --frozen, and a CUDA device")
     if args.frozen:
         timed = "GPU time" if args.device == "cuda" else "best of the interleaved repeats"
         print(f"\n## {args.device.upper()} op, weight trained and frozen ({args.dtype}, {timed}, ms)\n")
@@ -645,14 +669,15 @@ def main() -> None:
         timer = each_call(kernel_ms) if args.device == "cuda" else partial(interleaved_min_ms, repeats=repeats)
         frozen_table(args.n, timer, getattr(torch, args.dtype), args.device)
         return
-    if args.regimes and args.device == "cuda":
+    if (args.regimes or args.against) and args.device == "cuda":
         from triton.testing import do_bench
 
         dtype = getattr(torch, args.dtype)
         for what, timer in (("GPU time", kernel_ms), ("wall time", do_bench)):
             print(f"\n## GPU ({torch.cuda.get_device_name()}): regimes beside the Triton kernels, forward and "
                   f"backward ({args.dtype}, {what}, ms)\n")  # fmt: skip
-            regime_table(args.n, args.regimes, 0, args.against, dtype, "cuda", each_call(timer), cases, triton=True)
+            regimes = args.regimes or []
+            regime_table(args.n, regimes, 0, args.against, dtype, "cuda", each_call(timer), cases, triton=True)
         return
     if args.block_elements:
         regimes = tuple(args.regimes or ["grouped"])

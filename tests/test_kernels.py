@@ -959,6 +959,36 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     assert all(len(r) == 2 + 2 * len(variants) and all(float(v) > 0 for v in r[2:]) for r in rows), rows
 
 
+def test_gpu_kernels_timed_against_an_old_checkout(backend, tmp_path):
+    """`benchmarks/kernels.py --device cuda --against DIR`: the Triton kernels as they lie in an old checkout
+    beside the current ones, here a copy whose forward is changed to scale its result, which the timed calls
+    must run (the table times what it says it times)."""
+    from switchhead.kernels import triton_kernels
+
+    backend("triton")
+    bench_module = _benchmark_module()
+    old = tmp_path / "switchhead" / "kernels"
+    old.mkdir(parents=True)
+    source = open(triton_kernels.__file__).read()
+    marker = "def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:\n"
+    assert marker in source
+    ran = []  # the names of the timed calls
+    recording = source.replace(marker, marker + "    RAN.append(x.shape)\n") + "\nRAN = []\n"
+    (old / "triton_kernels.py").write_text(recording)
+    cases = [bench_module.Case("V", 20, 12, 1, 2, 2, 3, 2)]
+
+    def timer(fns):
+        ran.extend(name for name in fns)
+        return bench_module.each_call(_time_once)(fns)
+
+    lines = bench_module.regime_table([9], [], 0, str(tmp_path), torch.float16, DEVICE, timer, cases, triton=True)
+    variants = ["triton", f"triton @{tmp_path}", "cuBLAS dx", "cuBLAS dw", "cuBLAS dx+dw", "op"]
+    assert lines[0].split("|")[3:-1:2] == [f" {v} fwd " for v in variants]
+    assert f"triton @{tmp_path} fwd" in ran
+    old_module = sys.modules[f"triton_kernels@{tmp_path}"]
+    assert old_module.RAN and all(shape == (9, 1, 20) for shape in old_module.RAN)
+
+
 def test_gemm_width_table_lists_the_unaligned_products():
     """`benchmarks/kernels.py --gemm-widths`: one row per product whose result rows are not a multiple of
     GEMM_ALIGN wide, the padded time beside the time as is."""
