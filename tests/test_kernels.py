@@ -772,6 +772,28 @@ def test_model_triton_equals_torch(preset, backend):
         torch.testing.assert_close(results["triton"][1][k], g, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_triton_results_are_written_at_the_weights_widths(monkeypatch):
+    """The kernels read rows zero-padded to ALIGN but write the forward's output, grad_x and the weight gradient
+    (or its chunks' partial sums) at the weight's own widths, D_in = 76 and D_out = 412 here: no padded result
+    for a copy to slice afterwards."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    tk = triton_kernels.load()
+    names = {k: getattr(tk, k).fn.arg_names for k in ("_grouped_matmul_kernel", "_weight_grad_kernel")}
+    for min_pairs in (2, 1 << 20):  # the weight gradient in chunks, then whole
+        monkeypatch.setattr(tk, "WEIGHT_GRAD_MIN_PAIRS", min_pairs)
+        x, w, index, gate = make(Shape(40, 2, 6, 1, 10, 76, 412), torch.bfloat16)[1][:4]
+        launches = [launch for launch in gpu_build.launches(x, w, index, gate, 1) if launch.kernel in names]
+        assert [launch.kernel for launch in launches] == [*names][:1] * 2 + [*names][1:]
+        for launch, (padded, width) in zip(launches, [(416, 412), (80, 76)]):  # forward, grad_x
+            arg = dict(zip(names[launch.kernel], launch.args))
+            assert (arg["N_DIM"], arg["C_WIDTH"], arg["c_ptr"].shape[1], arg["stride_c"]) == (padded, *[width] * 3)
+        arg = dict(zip(names["_weight_grad_kernel"], launches[2].args))
+        assert (arg["D_IN"], arg["D_OUT"], arg["W_IN"], arg["W_OUT"]) == (80, 416, 76, 412)
+        assert arg["dw_ptr"].shape == (arg["SPLITS"] * 10, 76, 412) and (arg["SPLITS"] > 1) == (min_pairs == 2)
+
+
 @pytest.mark.parametrize(
     "dtype, every_config",
     [(torch.bfloat16, True), (torch.float32, True), (torch.float16, False)],

@@ -25,7 +25,8 @@ counting sort: `_count_pairs_kernel`, a cumsum, `_place_pairs_kernel`):
 Autotuning keys use the pair count rounded up to a power of two (`_bucket`), so a new sequence length does
 not trigger a new tuning run; each precision has its own tiles (tensor cores, or FMA units for fp32 without
 TF32). Widths and row strides are compile-time constants, so that every build gets aligned, pipelined tile
-loads; rows are zero-padded to a multiple of 16 elements (`ALIGN`) where measurements showed it pays.
+loads; rows are zero-padded to a multiple of 16 elements (`ALIGN`) where measurements showed it pays, while the
+results (output, grad_x, weight gradient) are written at their own widths, so no copy slices the padding off.
 `gpu_build` builds the kernels for a GPU without one to check both. Under TRITON_INTERPRET=1 (CPU
 tests) a single small config is used.
 
@@ -372,8 +373,8 @@ def _tile_product(
 @triton.jit
 def _grouped_matmul_kernel(
     a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr, gate_ptr, partner_ptr, gate_grad_ptr,
-    n_experts, n_pairs, K_DIM: tl.constexpr, N_DIM: tl.constexpr, M_BUCKET, A_PER, C_PER, STORE_PER,
-    stride_a: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
+    n_experts, n_pairs, K_DIM: tl.constexpr, N_DIM: tl.constexpr, C_WIDTH: tl.constexpr, M_BUCKET, A_PER, C_PER,
+    STORE_PER, stride_a: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr, stride_wn: tl.constexpr,
     stride_c: tl.constexpr, stride_partner: tl.constexpr,
     HAS_GATE: tl.constexpr, GATE_GRAD: tl.constexpr, STORE: tl.constexpr, ATOMIC: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, E_PAD: tl.constexpr,
@@ -408,6 +409,7 @@ def _grouped_matmul_kernel(
         acc *= tl.load(gate_ptr + pair, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     # STORE_PER is C_PER, or 1 when the caller wants one row per pair (to add them up in a fixed order itself).
     c_ptrs = c_ptr + (pair // STORE_PER)[:, None] * stride_c + offs_n[None, :]
+    mask_c = mask_m[:, None] & (offs_n < C_WIDTH)[None, :]  # c has no padded columns
     if ATOMIC:
         # Several slots add into one output row (heads of O, slots of a head); c is an fp32 buffer. Only the
         # adds must be atomic; nothing reads c before the kernel ends, so no ordering is needed. Relaxed adds
@@ -429,11 +431,13 @@ def _grouped_matmul(
     gate: Tensor | None,
     partner: Tensor | None = None,
     store: bool = True,
+    width: int | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """c[pair // c_per] += gate[pair] * a[pair // a_per] @ W[expert(pair)] (W^T if transpose_weight).
 
-    Returns c (fp32 if rows receive several pairs, else a's dtype; None unless `store`) and, when `partner` is
-    given, the per-pair dot product of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
+    Returns c (fp32 if rows receive several pairs, else a's dtype; None unless `store`), only its first `width`
+    columns (default: all) when the weight is zero-padded, and, when `partner` is given, the per-pair dot product
+    of the un-gated result with partner[pair // c_per] (fp32, [pairs]).
 
     Several pairs per row are added with atomics, in whatever order the tiles finish. Under
     torch.use_deterministic_algorithms(True) every pair gets a row of its own instead, and the rows are then
@@ -442,13 +446,14 @@ def _grouped_matmul(
     n_experts = weight.shape[0]
     k_dim, (n_dim, stride_wk, stride_wn) = a.shape[1], _oriented(weight, transpose_weight)
     n_pairs = order.numel()
+    width = n_dim if width is None else width
     per_pair = store and c_per > 1 and torch.are_deterministic_algorithms_enabled()
     atomic = store and c_per > 1 and not per_pair
     store_per = 1 if per_pair else c_per
     gate_grad = None if partner is None else _gate_grad_partials(n_dim, n_pairs, _MATMUL_CONFIGS, a.device)
     if store:
         c = (torch.zeros if atomic else torch.empty)(
-            n_pairs if per_pair else c_rows, n_dim, dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device
+            n_pairs if per_pair else c_rows, width, dtype=torch.float32 if c_per > 1 else a.dtype, device=a.device
         )
     else:  # nothing is written to c; the autotuner zeroes whatever is passed for it, so not an input
         assert gate_grad is not None, "a product that stores nothing computes the gate gradient"
@@ -462,14 +467,14 @@ def _grouped_matmul(
         a, weight, c, order, offsets,
         gate if gate is not None else a, partner if partner is not None else a,
         gate_grad if gate_grad is not None else c,
-        n_experts, n_pairs, k_dim, n_dim, _bucket(n_pairs), a_per, c_per, store_per,
+        n_experts, n_pairs, k_dim, n_dim, width, _bucket(n_pairs), a_per, c_per, store_per,
         a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0) if store else 0,
         partner.stride(0) if partner is not None else 0,
         HAS_GATE=gate is not None, GATE_GRAD=partner is not None, STORE=store, ATOMIC=atomic,
         PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
     )  # fmt: skip
     if per_pair:
-        c = c.view(c_rows, c_per, n_dim).sum(1)
+        c = c.view(c_rows, c_per, width).sum(1)
     return (c if store else None), (gate_grad.sum(0) if gate_grad is not None else None)
 
 
@@ -485,7 +490,8 @@ def _grouped_matmul(
 @triton.jit
 def _weight_grad_kernel(
     x_ptr, g_ptr, gate_ptr, order_ptr, offsets_ptr, dw_ptr,
-    n_experts, D_IN: tl.constexpr, D_OUT: tl.constexpr, M_BUCKET, SPLITS, X_PER, G_PER,
+    n_experts, D_IN: tl.constexpr, D_OUT: tl.constexpr, W_IN: tl.constexpr, W_OUT: tl.constexpr, M_BUCKET, SPLITS,
+    X_PER, G_PER,
     stride_x: tl.constexpr, stride_g: tl.constexpr, stride_we: tl.constexpr, stride_wk: tl.constexpr,
     stride_wn: tl.constexpr, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -541,32 +547,37 @@ def _weight_grad_kernel(
             g = g.to(tl.float32)
         acc = tl.dot(xt, g, acc, input_precision=PRECISION)
 
-    slab = (split * n_experts + expert).to(tl.int64)  # partials are [SPLITS, E, D_in, D_out]
+    # dW (or the partials, [SPLITS, E, W_IN, W_OUT]) has the weight's own widths: the padded rows and columns of
+    # x and g are left out here rather than sliced off by a copy afterwards.
+    slab = (split * n_experts + expert).to(tl.int64)
     dw_ptrs = dw_ptr + slab * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(offs_k < W_IN)[:, None] & (offs_n < W_OUT)[None, :])
 
 
 def _weight_grad(
-    x2: Tensor, x_per: int, g2: Tensor, g_per: int, gate: Tensor | None, order: Tensor, offsets: Tensor, n_experts: int
+    x2: Tensor, x_per: int, g2: Tensor, g_per: int, gate: Tensor | None, order: Tensor, offsets: Tensor,
+    weight_shape: tuple[int, int, int],
 ) -> Tensor:
+    """dW [E, D_in, D_out] (`weight_shape`) from rows of x and g that may be zero-padded beyond D_in, D_out."""
+    n_experts, w_in, w_out = weight_shape
     d_in, d_out = x2.shape[1], g2.shape[1]
     bucket = _bucket(order.numel())
     splits = _weight_grad_splits(n_experts, d_in, d_out, bucket, x2.device)
     partial_dtype = x2.dtype if splits == 1 else torch.float32
-    dw = torch.empty(splits * n_experts, d_in, d_out, dtype=partial_dtype, device=x2.device)
+    dw = torch.empty(splits * n_experts, w_in, w_out, dtype=partial_dtype, device=x2.device)
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return triton.cdiv(d_in, meta["BLOCK_K"]), triton.cdiv(d_out, meta["BLOCK_N"]), n_experts * splits
 
     _weight_grad_kernel[grid](
         x2, g2, gate if gate is not None else x2, order, offsets, dw,
-        n_experts, d_in, d_out, bucket, splits, x_per, g_per,
+        n_experts, d_in, d_out, w_in, w_out, bucket, splits, x_per, g_per,
         x2.stride(0), g2.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
         HAS_GATE=gate is not None, PRECISION=_precision(x2.dtype), DOT_FP32=_dot_fp32(x2.dtype), **_BUILD,
     )  # fmt: skip
     if splits == 1:
         return dw
-    return dw.view(splits, n_experts, d_in, d_out).sum(0).to(x2.dtype)  # a reduction without atomics
+    return dw.view(splits, n_experts, w_in, w_out).sum(0).to(x2.dtype)  # a reduction without atomics
 
 
 def _weight_grad_splits(n_experts: int, d_in: int, d_out: int, pair_bucket: int, device: torch.device) -> int:
@@ -683,8 +694,10 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     d_in_p, d_out_p = _aligned(weight.shape[1], align), _aligned(d_out, align)
     x2, w = _rows(x, d_in_p), _padded_weight(weight, d_in_p, d_out_p)
     order, offsets = _sort_pairs(index, n_experts)
-    out, _ = _grouped_matmul(x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate)
-    return out[:, :d_out].to(x.dtype).reshape(n, n_out, d_out).contiguous()
+    out, _ = _grouped_matmul(
+        x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate, width=d_out
+    )  # fmt: skip
+    return out.to(x.dtype).view(n, n_out, d_out)
 
 
 def backward(
@@ -721,16 +734,15 @@ def backward(
         if grad_x is None:
             grad_x, gate_grad = _grouped_matmul(
                 g2, slots // n_out, w, True, n * n_in, slots // n_in, order, offsets, flat_gate,
-                x2 if need_gate_grad else None,
+                x2 if need_gate_grad else None, width=d_in,
             )  # fmt: skip
-            grad_x = grad_x[:, :d_in].to(x.dtype).reshape(x.shape).contiguous()
+            grad_x = grad_x.to(x.dtype).view(x.shape)
         elif need_gate_grad:
             _, gate_grad = _grouped_matmul(
                 x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, None, g2, store=False
             )
         if kernel_w:
-            grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, n_experts)
-            grad_w = grad_w[:, :d_in, :d_out].to(x.dtype).contiguous()
+            grad_w = _weight_grad(x2, slots // n_in, g2, slots // n_out, flat_gate, order, offsets, weight.shape)
     grad_w = grad_w if grad_w is not None else weight.new_empty(0)
     if gate_grad is None:
         return grad_x, grad_w, x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
