@@ -196,12 +196,14 @@ def _fwd_bwd_table(
     device: str = "cpu",
     timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]] | None = None,
     cases: list[Case] = CASES,
+    extra: tuple[str, Callable[[Case, int], str]] | None = None,
 ) -> list[str]:
     """Forward and backward (all gradients) of each variant, called directly with a regime's signature; one row
     per shape and N. `timer` maps the calls to ms (default: best of `repeats` interleaved wall times). `auto`: a
-    last column with the regimes `choose_regime` picks (on the CPU)."""
+    column with the regimes `choose_regime` picks (on the CPU); `extra`: a last column's header and its cells."""
     timer = timer or (lambda fns: interleaved_min_ms(fns, repeats))
     columns = [f"{v} fwd | {v} bwd" for v in variants] + (["auto fwd / bwd"] if auto else [])
+    columns += [extra[0]] if extra else []
     lines = _table("| case | N | " + " | ".join(columns) + " |")
     for case in cases:
         for n in ns:
@@ -215,6 +217,8 @@ def _fwd_bwd_table(
             cells = " | ".join(f"{t[f'{v} fwd']:.3f} | {t[f'{v} bwd']:.3f}" for v in variants)
             if auto:
                 cells += " | {} / {}".format(*_auto_regimes(case, n, dtype))
+            if extra:
+                cells += f" | {extra[1](case, n)}"
             _add_row(lines, f"| {case.name} | {n} | {cells} |")
     return lines
 
@@ -295,15 +299,28 @@ def each_call(timer: Callable[[Callable], float]) -> Callable[[dict[str, Callabl
     return lambda fns: {name: timer(fn) for name, fn in fns.items()}
 
 
-def _with_block_elements(fn: Callable, size: int) -> Callable:
+def _with(fn: Callable, name: str, value: int) -> Callable:
+    """fn with torch_paths.`name` set to `value` during each call."""
+
     def run(*args):
-        default, torch_paths.GROUPED_BLOCK_ELEMENTS = torch_paths.GROUPED_BLOCK_ELEMENTS, size or 1 << 62
+        default = getattr(torch_paths, name)
+        setattr(torch_paths, name, value)
         try:
             return fn(*args)
         finally:
-            torch_paths.GROUPED_BLOCK_ELEMENTS = default
+            setattr(torch_paths, name, default)
 
     return run
+
+
+def _with_block_elements(fn: Callable, size: int) -> Callable:
+    # blocks of that size, never the grouped GEMM (which has no blocks)
+    return _with(_with_grouped_mm(fn, False), "GROUPED_BLOCK_ELEMENTS", size or 1 << 62)
+
+
+def _with_grouped_mm(fn: Callable, on: bool) -> Callable:
+    limit = (1 << 62) * on
+    return _with(_with(fn, "GROUPED_MM_MAX_ELEMENTS", limit), "GROUPED_MM_BACKWARD_MAX_ELEMENTS", limit)
 
 
 def block_table(ns: list[int], sizes: list[int], repeats: int, regimes: tuple[str, ...] = ("grouped",)) -> list[str]:
@@ -317,6 +334,21 @@ def block_table(ns: list[int], sizes: list[int], repeats: int, regimes: tuple[st
         for s in sizes
     }
     return _fwd_bwd_table(ns, variants, repeats)
+
+
+def grouped_mm_table(ns: list[int], repeats: int) -> list[str]:
+    """grouped with every expert in one grouped GEMM call beside its blocks of one expert's pairs, at every N
+    (whatever GROUPED_MM_MAX_ELEMENTS picks, and its backward's), with each expert's pairs x the wider width in the
+    last column."""
+    variants = {
+        name: tuple(_with_grouped_mm(f, on) for f in (torch_paths.grouped_forward, torch_paths.grouped_backward))
+        for name, on in (("grouped GEMM", True), ("blocks", False))
+    }
+
+    def per_expert(case: Case, n: int) -> str:
+        return str(n * case.slots * max(case.d_in, case.d_out) // (case.heads * case.experts))
+
+    return _fwd_bwd_table(ns, variants, repeats, extra=("per expert: pairs x max(D_in, D_out)", per_expert))
 
 
 def anatomy_table(ns: list[int], repeats: int) -> list[str]:
@@ -616,6 +648,11 @@ def main() -> None:
     )
     parser.add_argument("--anatomy", action="store_true", help="only break the grouped forward's time down")
     parser.add_argument(
+        "--grouped-mm",
+        action="store_true",
+        help="only time grouped through torch's grouped GEMM beside its per-expert blocks, at every N",
+    )
+    parser.add_argument(
         "--gemm-widths", action="store_true", help="only time one expert's GEMMs with result rows padded and not"
     )
     parser.add_argument(
@@ -691,6 +728,10 @@ def main() -> None:
         regime_table(
             args.n, args.regimes, 5 if args.quick else 15, args.against, getattr(torch, args.dtype), cases=cases
         )
+        return
+    if args.grouped_mm:
+        print("\n## CPU grouped: one grouped GEMM or blocks of one expert's pairs (fp32, best of interleaved runs)\n")
+        grouped_mm_table(args.n, 5 if args.quick else 15)
         return
     if args.anatomy:
         print("\n## CPU grouped forward, part by part (fp32, best of the interleaved repeats, ms)\n")

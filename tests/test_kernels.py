@@ -200,8 +200,80 @@ def test_blocks_add_up(shape, dtype, regime, buffers, monkeypatch):
     and the blocks' temporaries are views of buffers shared by all blocks, or fresh for each."""
     monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 60)  # a few rows
     monkeypatch.setattr(torch_paths, "BUFFER_MIN_ELEMENTS", 0 if buffers else 1 << 62)
+    monkeypatch.setattr(torch_paths, "GROUPED_MM_MAX_ELEMENTS", 0)  # the blocks of the experts' pairs
+    monkeypatch.setattr(torch_paths, "GROUPED_MM_BACKWARD_MAX_ELEMENTS", 0)
     exact, cast = make(shape, dtype)
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), dtype)
+
+
+# Widths that are multiples of 4, as the grouped GEMM needs in fp32.
+GROUPED_MM_SHAPES = [
+    Shape(1, 1, 6, 2, 8, 20, 12),  # one token
+    Shape(37, 1, 6, 2, 8, 20, 12),  # V-like: gated after the product (D_in >= D_out)
+    Shape(37, 2, 6, 1, 8, 12, 20),  # O-like: gated inputs (D_in < D_out)
+    Shape(30, 1, 4, 4, 5, 12, 8, gated=False),  # sigma-MoE up: one pair per output row
+    Shape(21, 4, 4, 1, 6, 8, 16, routing="some_empty"),  # sigma-MoE down: one pair per input row
+    Shape(25, 1, 6, 2, 8, 20, 12, routing="one_expert"),
+]
+
+
+@pytest.mark.parametrize("shape", GROUPED_MM_SHAPES, ids=str)
+@pytest.mark.parametrize("trained", [True, False], ids=["trained", "frozen"])
+def test_grouped_regime_through_grouped_mm(shape, trained, monkeypatch):
+    """grouped with its experts in one call of torch's grouped GEMM (few pairs per expert), with the weight trained
+    or frozen (no weight gradient), the gates trained."""
+    exact, cast = make(shape)
+    x, w, index, gate, grad = cast
+    assert torch_paths._grouped_mm_fits(x, w, index, backward=True)  # the default thresholds send them there
+    monkeypatch.setattr(torch_paths, "_segments_forward", None)  # the per-expert blocks are not what runs
+    monkeypatch.setattr(torch_paths, "_segments_backward", None)
+    out = torch_paths.grouped_forward(x, w, index, gate, shape.n_out)
+    gx, gw, gg = torch_paths.grouped_backward(grad, x, w, index, gate, True, trained)
+    want = naive_all(shape, exact)
+    got = [out, gx, gw] + ([gg] if gate is not None else [])
+    if not trained:
+        assert gw.numel() == 0
+        got, want = got[:2] + got[3:], want[:2] + want[3:]
+    assert_matches(got, want, torch.float32, ("out", "grad_x") + ("grad_weight",) * trained + ("grad_gate",))
+
+
+@pytest.mark.parametrize("missing", ["absent", "cuda-only", "wrong"])
+def test_grouped_regime_without_a_cpu_grouped_mm(missing, monkeypatch):
+    """A torch without the grouped GEMM on the CPU (absent, raising, or computing something else) keeps the blocks,
+    and the regime its results."""
+
+    def cuda_only(*args, **kwargs):
+        raise RuntimeError("grouped gemm is only supported on CUDA")
+
+    stand_in = {"absent": None, "cuda-only": cuda_only, "wrong": lambda a, b, offs: a[:, :0]}[missing]
+    monkeypatch.setattr(torch_paths, "_GROUPED_MM", stand_in)
+    torch_paths._grouped_mm_on_cpu.cache_clear()
+    try:
+        shape = GROUPED_MM_SHAPES[1]
+        exact, cast = make(shape)
+        assert not torch_paths._grouped_mm_fits(*cast[:2], cast[2])
+        assert_matches(via_regime(shape, cast, "grouped"), naive_all(shape, exact), torch.float32)
+    finally:
+        monkeypatch.undo()
+        torch_paths._grouped_mm_on_cpu.cache_clear()
+    assert torch_paths._grouped_mm_on_cpu()
+
+
+def test_grouped_mm_only_where_it_applies():
+    """The grouped GEMM takes fp32 CPU tensors whose rows are multiples of 16 bytes, and few pairs per expert."""
+    _, (x, w, index, _, _) = make(Shape(40, 1, 6, 2, 8, 20, 12))
+    assert torch_paths._grouped_mm_fits(x, w, index)
+    assert not torch_paths._grouped_mm_fits(x.double(), w.double(), index)
+    assert not torch_paths._grouped_mm_fits(x.bfloat16(), w.bfloat16(), index)
+    assert not torch_paths._grouped_mm_fits(x[..., :18], w[:, :18, :], index)  # D_in = 18
+    assert not torch_paths._grouped_mm_fits(x, w[..., :10].contiguous(), index)  # D_out = 10
+    assert not torch_paths._grouped_mm_fits(x, w.transpose(1, 2).contiguous().transpose(1, 2), index)
+    limits = {False: torch_paths.GROUPED_MM_MAX_ELEMENTS, True: torch_paths.GROUPED_MM_BACKWARD_MAX_ELEMENTS}
+    assert torch_paths._grouped_mm_on_cpu()  # this torch has it (2.13 does)
+    for backward, limit in limits.items():
+        pairs = limit * w.shape[0] // 20  # pairs at the threshold (D_in = 20), and two more
+        for n, fits in ((pairs // 2, True), (pairs // 2 + 1, False)):
+            assert torch_paths._grouped_mm_fits(x, w, torch.zeros(n, 2, dtype=torch.long), backward) == fits
 
 
 @pytest.mark.parametrize("shape", [SHAPES[3], SHAPES[5], SHAPES[10], SHAPES[11]], ids=str)
@@ -246,9 +318,12 @@ def test_padded_gemm_rows(shape, regime, buffers, monkeypatch):
     assert_matches(via_regime(shape, cast, regime), naive_all(shape, exact), torch.float32)
 
 
-@pytest.mark.parametrize("regime", ["grouped", "combo"])
+@pytest.mark.parametrize("regime", ["grouped", "combo", "grouped_mm"])
 def test_torch_weight_grad_is_deterministic(regime, monkeypatch):
     monkeypatch.setattr(torch_paths, "GROUPED_BLOCK_ELEMENTS", 24 * 50)  # 50 rows: several blocks per expert
+    # grouped's experts one GEMM call each, or all of a block's in one grouped GEMM call
+    monkeypatch.setattr(torch_paths, "GROUPED_MM_BACKWARD_MAX_ELEMENTS", 1 << 62 if regime == "grouped_mm" else 0)
+    regime = regime.removesuffix("_mm")
     shape = Shape(300, 1, 6, 2, 4, 24, 16)
     _, (x, w, index, gate, grad) = make(shape)
     runs = [torch_paths.backward(grad, x, w, index, gate, True, regime=regime)[1] for _ in range(2)]
@@ -629,7 +704,7 @@ def test_frozen_weight(shape, name, backend):
 
 
 PRODUCTS = {"aten::mm", "aten::mv", "aten::addr_", "aten::addmm", "aten::addmm_", "aten::bmm"}
-PRODUCTS |= {"aten::index_add_", "aten::embedding_bag"}
+PRODUCTS |= {"aten::index_add_", "aten::embedding_bag", "aten::_grouped_mm"}
 
 
 @pytest.mark.parametrize("regime", REGIMES)
@@ -1043,6 +1118,36 @@ def test_block_table_sweeps_each_blocked_regime(monkeypatch):
     assert [r[0].strip() for r in rows] == [c.name for c in bench_module.CASES]
     assert all(len(r) == 2 + 2 * 4 and all(float(v) > 0 for v in r[2:]) for r in rows), rows
     assert set(seen) == {(False, 4096), (False, 1 << 62), (True, 4096), (True, 1 << 62)}
+
+
+def test_grouped_mm_table_times_both_ways(monkeypatch):
+    """`benchmarks/kernels.py --grouped-mm`: grouped through the grouped GEMM and through its blocks at every N,
+    whatever the threshold says, which is restored afterwards; the last column each expert's pairs x the wider
+    width."""
+    bench_module = _benchmark_module()
+    calls = {"grouped GEMM": 0, "blocks": 0}
+    grouped_mm, segments = torch_paths._GROUPED_MM, torch_paths._segments_forward
+
+    def counting_grouped_mm(*args, **kwargs):
+        calls["grouped GEMM"] += 1
+        return grouped_mm(*args, **kwargs)
+
+    def counting_segments(*args):
+        calls["blocks"] += 1
+        return segments(*args)
+
+    monkeypatch.setattr(torch_paths, "_GROUPED_MM", counting_grouped_mm)
+    monkeypatch.setattr(torch_paths, "_segments_forward", counting_segments)
+    lines = bench_module.grouped_mm_table([1000], 1)  # beyond the threshold for every model shape
+    assert (torch_paths.GROUPED_MM_MAX_ELEMENTS, torch_paths.GROUPED_MM_BACKWARD_MAX_ELEMENTS) == (65536, 28672)
+    assert lines[0].split("|")[3:-2:2] == [" grouped GEMM fwd ", " blocks fwd "]
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    cases = bench_module.CASES
+    assert [r[0].strip() for r in rows] == [c.name for c in cases]
+    assert all(float(v) > 0 for r in rows for v in r[2:6]), rows
+    assert [int(r[6]) for r in rows] == [1000 * c.slots * max(c.d_in, c.d_out) // (c.heads * c.experts) for c in cases]
+    # forward (one grouped GEMM) and backward (two) of the warm-up and the timed round; the blocks' forward twice
+    assert calls == {"grouped GEMM": len(cases) * 2 * 3, "blocks": len(cases) * 2}
 
 
 @contextmanager

@@ -7,10 +7,13 @@ Four regimes, each with its own forward and backward, picked per call by `choose
   weights that are used and copies none of them, which is what matters at decode time (N*S = a few pairs).
 - ``dense``: run every expert as one big GEMM and gate afterwards (or scale the inputs by the gates first
   and contract over experts in one GEMM, whichever side has fewer rows). Wastes E*min(I, R)/S times the
-  useful MACs but issues one large matmul instead of many small ones plus gathers; wins for small N.
+  useful MACs but issues one large matmul instead of many small ones plus gathers; wins for small N (on the
+  CPU now mostly where its waste is small, or in bf16 on CPUs that multiply bf16 natively).
 - ``grouped``: sort (token, slot) pairs by expert and run one GEMM per block of an expert's pairs: no wasted
-  MACs, but gathers, index_adds and small GEMMs whose cost per expert is roughly fixed; wins for large N.
-  Its backward gets the gate gradient from the input-gradient GEMM, so it never recomputes the forward.
+  MACs, but gathers, index_adds and small GEMMs whose cost per expert is roughly fixed. With few pairs per
+  expert it runs all experts in one call of torch's grouped GEMM instead (one gather and one index_add per
+  call), which makes it the regime from a few dozen tokens up. Its backward gets the gate gradient from the
+  input-gradient GEMM, so it never recomputes the forward.
 - ``combo``: grouped over segments instead of pairs (a segment is a head's k slots, which share an input and
   an output row), sorted by the set of experts each chose: a row is gathered once for its k products, which
   add up in the GEMMs, and index-added once. Fewer gathers and scatters, but one group per expert set
@@ -859,7 +862,103 @@ def _segments_backward(
     return grad_x, grad_w[..., :d_out].to(weight.dtype).contiguous(), grad_gate
 
 
+# grouped runs its experts as one call of torch's grouped GEMM (`F.grouped_mm`, whose loop over the experts runs in
+# C++) instead of one GEMM call per expert and block, with its gathers, gate products and index_adds once per call,
+# while each expert's pairs fill at most GROUPED_MM_MAX_ELEMENTS elements of the widest operand (pairs x
+# max(D_in, D_out); GROUPED_MM_BACKWARD_MAX_ELEMENTS in the backward): there the per-expert calls (and their Python)
+# are what the regime costs beyond its GEMMs. Beyond it the blocks are as fast or faster: they pad narrow GEMM rows,
+# reuse their buffers and keep them in cache, while the grouped GEMM's call-sized temporaries are fresh memory (the
+# backward's most: 47M V's took 0.53-0.64x the blocks' time at 26K elements per expert, 0.65-1.36x at 32K, 0.91-1.39x
+# at 40K, while its forward and the other shapes' backward still gained at 64K). CPU, fp32, widths that are multiples
+# of 4 (the grouped GEMM needs 16-byte row strides). `python benchmarks/kernels.py --threads 1 --n ... --grouped-mm`
+# (docs/BENCHMARKS.md, "grouped through torch's grouped GEMM").
+GROUPED_MM_MAX_ELEMENTS = 64 * 1024
+GROUPED_MM_BACKWARD_MAX_ELEMENTS = 28 * 1024
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None)
+
+
+@functools.cache
+def _grouped_mm_on_cpu() -> bool:
+    """Whether this torch runs the grouped GEMM on the CPU in fp32 (tried once; a torch without it, or with it for
+    CUDA only, keeps the blocks)."""
+    if _GROUPED_MM is None:
+        return False
+    try:
+        y = _GROUPED_MM(torch.ones(3, 4), torch.ones(2, 4, 4), offs=torch.tensor([1, 3], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return y.shape == (3, 4) and bool((y == 4).all())
+
+
+def _grouped_mm_fits(x: Tensor, weight: Tensor, index: Tensor, backward: bool = False) -> bool:
+    d_in, d_out = weight.shape[1:]
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not _grouped_mm_on_cpu():
+        return False
+    if d_in % 4 or d_out % 4 or not weight.is_contiguous() or index.numel() == 0:
+        return False
+    limit = GROUPED_MM_BACKWARD_MAX_ELEMENTS if backward else GROUPED_MM_MAX_ELEMENTS
+    return index.numel() * max(d_in, d_out) <= limit * weight.shape[0]
+
+
+def _by_expert(index: Tensor, n_experts: int, pairs_per_row: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The pairs in expert order (stable), where each expert's pairs end in that order (int32, as the grouped GEMM
+    takes them), and each sorted pair's input and output row (`pairs_per_row`: slots per input row, per output
+    row)."""
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # stable: the weight gradient adds up in a fixed order
+    ends = torch.bincount(flat, minlength=n_experts).cumsum(0).to(torch.int32)
+    return order, ends, order // pairs_per_row[0], order // pairs_per_row[1]
+
+
+def _grouped_mm_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    n, slots = index.shape
+    n_experts, d_in, d_out = weight.shape
+    order, ends, src, dst = _by_expert(index, n_experts, (slots // x.shape[1], slots // n_out))
+    rows = x.reshape(-1, d_in).index_select(0, src)
+    gates = None if gate is None else gate.reshape(-1, 1).index_select(0, order).to(x.dtype)
+    if gates is not None and d_in < d_out:  # gate the narrower side
+        rows.mul_(gates)
+    y = _GROUPED_MM(rows, weight, offs=ends)
+    if gates is not None and d_in >= d_out:
+        y.mul_(gates)
+    if _one_segment_per_row(slots, n_out, 1):  # sigma-MoE up: each output row is one pair's
+        return _unsorted(y, dst, d_out).view(n, n_out, d_out)
+    return torch.zeros(n * n_out, d_out, dtype=x.dtype).index_add_(0, dst, y).view(n, n_out, d_out)
+
+
+def _grouped_mm_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool,
+) -> Grads:
+    n, slots = index.shape
+    n_experts, d_in, d_out = weight.shape
+    order, ends, src, dst = _by_expert(index, n_experts, (slots // x.shape[1], slots // grad.shape[1]))
+    xs = x.reshape(-1, d_in).index_select(0, src)
+    gs = grad.reshape(-1, d_out).to(x.dtype).index_select(0, dst)
+    gates = None if gate is None else gate.reshape(-1, 1).index_select(0, order).to(x.dtype)
+    # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u> (= <x @ W, g>).
+    u = _GROUPED_MM(gs, weight.transpose(1, 2), offs=ends)
+    grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
+    if need_gate_grad and gate is not None:
+        sorted_grad = torch.linalg.vecdot(u, xs)
+        grad_gate = torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad).view(n, slots).to(gate.dtype)
+    if gates is not None:
+        u.mul_(gates)
+    if _one_segment_per_row(slots, x.shape[1], 1):  # sigma-MoE down: each input row is one pair's
+        grad_x = _unsorted(u, src, d_in)
+    else:
+        grad_x = torch.zeros(n * x.shape[1], d_in, dtype=x.dtype).index_add_(0, src, u)
+    grad_w = weight.new_empty(0)
+    if need_weight_grad:
+        if gates is not None:
+            (xs if d_in < d_out else gs).mul_(gates)  # the narrower side
+        grad_w = _GROUPED_MM(xs.t(), gs, offs=ends)  # [E, D_in, D_out], zero for experts without pairs
+    return grad_x.view(x.shape), grad_w, grad_gate
+
+
 def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    if _grouped_mm_fits(x, weight, index):
+        return _grouped_mm_forward(x, weight, index, gate, n_out)
     return _segments_forward(x, weight, index, gate, n_out, 1)
 
 
@@ -867,6 +966,8 @@ def grouped_backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
     need_weight_grad: bool = True,
 ) -> Grads:
+    if _grouped_mm_fits(x, weight, index, backward=True):
+        return _grouped_mm_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad)
     return _segments_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad, 1)
 
 
