@@ -78,28 +78,28 @@ def cost_pass(backward: bool, n_in: int, n_out: int) -> int:
 
 
 CPU_COSTS = {
-    # AMD EPYC VMs, with AVX2 or with AVX-512 (see "intel-avx512" for why not by instruction set). Fitted on an
-    # AVX2 EPYC (Zen 3) VM to five `--regimes dense grouped` runs with the calls in shuffled order (`--n 16 32 ...
-    # 2048` twice, `--n 24 48 ... 3072`, `--n 40 80 ... 1280`, `--n 20 28 56 ... 1792`): per_expert as first read
-    # off fixed-order tables, plus a per-element term, which never loses to the constants without it on any of the
-    # five (geometric mean 1.003-1.014x the better regime's time forward, 1.000-1.001x in the O-like backward,
-    # against 1.003-1.021x and 1.007-1.020x; the most in one cell 1.24x, sigma-MoE up forward at N = 48, against 1.25x,
-    # 262M O backward at N = 32). Crossovers: N ~ 400 for 47M (within 10 % either way from N = 160 to 512: 47M O
-    # at N = 256 dense 2.02 vs 2.20-2.31 ms forward), ~42 for 262M, ~48 for sigma-MoE.
+    # AMD EPYC VMs, with AVX2 or with AVX-512 (see "intel-avx512" for why not by instruction set). per_expert and
+    # per_element fitted on an AVX2 EPYC (Zen 3) VM, once grouped ran few pairs per expert through the grouped GEMM
+    # (GROUPED_MM_MAX_ELEMENTS), to four `--regimes dense grouped` runs (`--n 16 24 32 48 64 96 128 192 256 384
+    # 512`, the same to 1024, `--n 20 40 56 80 112 160 224 320 448 640`, `--n 3 4 6 8 12`) by
+    # `benchmarks/regime_fit.py --grid`, and checked on the same four run again once the grouped GEMM's thresholds were
+    # final: over those the forward takes 1.011x the better regime's time in the geometric mean (worst 1.27x, 47M V
+    # at N = 192), the backward 1.020x (O-like; worst 1.41x, 47M O at N = 128) and 1.002x (V-like; worst 1.23x, 47M V
+    # at N = 3), the grid's best there 1.011x, 1.019x and 1.002x; the constants fitted before the grouped GEMM
+    # (1.75e6 / 1.75e6 / 1.25e6 per expert, 28 / 28 / 8 per element, which kept 47M dense to N ~ 400) take 1.066x,
+    # 1.122x and 1.145x there. Now grouped's backward wins from a few tokens (dense only where its waste is tiny),
+    # its forward from N ~ 48 for 47M (first run: 47M V dense 0.549 vs grouped 0.664 ms at N = 32, 0.838 vs 0.821 at
+    # 48) and from fewer for 262M (262M V 1.250 vs 1.147 at N = 16). docs/BENCHMARKS.md, "grouped through torch's
+    # grouped GEMM".
     # The bag: `--n 1 2 4 8 16 32 64 --regimes gather dense` twice and `--n 3 5 6 10 12` once, scored by
     # `benchmarks/regime_fit.py --bag`: up to 64 pairs it takes 1.025x the better forward's time in the geometric
     # mean (worst 1.43x, sigma-MoE down at N = 32, where the bag is still ahead), up to 16 (the Intel VM's count)
     # 1.139x (worst 2.23x, sigma-MoE up at N = 5), up to 32 or 128 1.060x and 1.038x: dense's GEMMs run slower
     # here than there while the bag's row reads do not.
-    # The backward of input-expanding shapes (V-like, sigma-MoE up), dense since it multiplies the experts in place at
-    # a few rows (DENSE_SPLIT_MAX_ROWS): `--n 1 2 3 4 6 8 12 16 24 32 48 64 --regimes gather dense grouped` and
-    # `--n 12 16 24 32 40 48 64 96 128 --regimes dense grouped`, twice each, with the cells from N = 64 of the five
-    # tables above: these constants take 1.003x the better of dense and grouped's time (worst 1.33x, 47M V at
-    # N = 80), never-dense 1.28x on the new tables (worst 2.58x, 47M V at N = 6). Dense up to N = 122 for 47M V
-    # (measured even from 64 to 96, grouped's from ~110), 23 for 262M V (~28), 32 for sigma-MoE up (~40). Then the
-    # backward's gather, now beside that dense: up to 16 pairs for both kinds of shape, 1.023x the better regime's
-    # time over the first two tables (`regime_fit.py --gather-backward`; worst 1.66x, 262M O at N = 3), against
-    # 1.061x for the Intel VM's (32, 4) (worst 2.14x, 47M V at N = 4).
+    # The backward's gather: up to 16 pairs for both kinds of shape, fitted beside the dense backward of the constants
+    # before (`--n 1 2 3 4 6 8 12 16 24 32 48 64 --regimes gather dense grouped` twice, `regime_fit.py
+    # --gather-backward`: 1.023x the better regime's time, worst 1.66x, 262M O at N = 3; the Intel VM's (32, 4)
+    # 1.061x); not fitted again beside the grouped GEMM.
     # The broadcast: `--n 32 64 96 128 192 256 --regimes dense --against 8bbca23` (broadcast up to 256 rows at every
     # width), twice, with and without `--case` shapes of other widths: see "The dense forward's broadcast, by width" in
     # docs/BENCHMARKS.md.
@@ -111,7 +111,7 @@ CPU_COSTS = {
     # (102 segments per set), V 1.00-1.02 and O 1.05-1.07 at 1152-1280, V 0.97-0.99 and O 1.01 at 1536; 262M V
     # 0.98 and O 1.01 at 640 (107), 0.97 and 1.00-1.01 at 768, O 0.97-0.98 from 1024.
     "default": CpuCosts(
-        per_expert=(1.75e6, 1.75e6, 1.25e6), per_element=(28.0, 28.0, 8.0), bag_max_pairs=64,
+        per_expert=(8.8e4, 1e5, 5e4), per_element=(36.0, 0.0, 0.0), bag_max_pairs=64,
         gather_backward_max_pairs={"expand": 16, "contract": 16}, broadcast_max_rows={"aligned": 256, "unaligned": 64},
         gemm_pad_min_pairs=512, combo_forward_min_per_set=128,
     ),
