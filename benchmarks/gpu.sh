@@ -6,8 +6,8 @@
 #
 # Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), table (the GPU
 # table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), frozen (forward + backward with
-# the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM,
-# beside the Triton kernels, the kernels with grad_x and/or the weight gradient by cuBLAS, and the op as it runs
+# the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM, and
+# the grouped_mm regime, torch's grouped GEMM over the expert-sorted pairs, beside the Triton kernels, the kernels with grad_x and/or the weight gradient by cuBLAS, and the op as it runs
 # by default: bf16, N = 1024, 4096 and 16384), splits (the kernels' backward with the weight gradient's pairs in
 # 1, 2, 4 and 8 chunks per expert, beside the count the geometry picks: bf16, N = 4096 and 16384), against (the
 # Triton kernels beside themselves as of AGAINST, a git revision or a directory holding an old checkout, e.g. one
@@ -65,7 +65,7 @@ for step in "${steps[@]}"; do
         table) run table "$python" kernels.py --no-cpu ;;
         profile) run profile "$python" kernel_profile.py --n 16384 --other ;;
         frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
-        dense) run dense "$python" kernels.py --n 1024 4096 16384 --regimes dense --device cuda --dtype bfloat16 ;;
+        dense) run dense "$python" kernels.py --n 1024 4096 16384 --regimes dense grouped_mm --device cuda --dtype bfloat16 ;;
         splits) run splits "$python" kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16 ;;
         against)
             # a relative directory is the repository's

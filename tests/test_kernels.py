@@ -237,6 +237,29 @@ def test_grouped_regime_through_grouped_mm(shape, trained, monkeypatch):
     assert_matches(got, want, torch.float32, ("out", "grad_x") + ("grad_weight",) * trained + ("grad_gate",))
 
 
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [(s, torch.float32) for s in SHAPES] + [(s, d) for s in SHAPES[1::3] for d in (torch.bfloat16, torch.float16)],
+    ids=str,
+)
+def test_grouped_mm_regime_matches_naive_loop(shape, dtype):
+    """The grouped_mm regime (the grouped GEMM at any size, `regime=` only): any widths (zero-padded to the
+    grouped GEMM's 16-byte strides), fp32 and half inputs, on the tests' device."""
+    exact, cast = make(shape, dtype)
+    x, w, index, gate, grad = on_device(cast)
+    out = torch_paths.grouped_mm_forward(x, w, index, gate, shape.n_out)
+    gx, gw, gg = torch_paths.grouped_mm_backward(grad, x, w, index, gate, True)
+    got = [t.cpu() for t in [out, gx, gw] + ([gg] if gate is not None else [])]
+    assert [t.dtype for t in got[:3]] == [dtype] * 3
+    assert_matches(got, naive_all(shape, exact), dtype)
+
+
+def test_grouped_mm_regime_refuses_float64():
+    _, (x, w, index, gate, _) = make(SHAPES[3])
+    with pytest.raises(RuntimeError, match="grouped_mm regime takes float32, bfloat16 or float16"):
+        torch_paths.forward(x.double(), w.double(), index, gate, SHAPES[3].n_out, regime="grouped_mm")
+
+
 @pytest.mark.parametrize("missing", ["absent", "cuda-only", "wrong"])
 def test_grouped_regime_without_a_cpu_grouped_mm(missing, monkeypatch):
     """A torch without the grouped GEMM on the CPU (absent, raising, or computing something else) keeps the blocks,
@@ -1046,7 +1069,7 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     bench_module = _benchmark_module()
     Case = bench_module.Case
     cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
-    regimes = ["dense", "grouped", "combo"]
+    regimes = ["dense", "grouped", "combo", "grouped_mm"]
     timer = bench_module.each_call(_time_once)
     lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)
     variants = ["triton", "cuBLAS dx", "cuBLAS dw", "cuBLAS dx+dw", "op", *regimes]

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from switchhead.devices import native_half
 
-Regime = Literal["gather", "dense", "grouped", "combo"]
+Regime = Literal["gather", "dense", "grouped", "combo", "grouped_mm"]
 Grads = tuple[Tensor, Tensor, Tensor]
 
 # Thresholds measured on 2-core CPUs, one torch thread, with `python benchmarks/kernels.py --threads 1 --n ...
@@ -910,20 +910,43 @@ def _by_expert(index: Tensor, n_experts: int, pairs_per_row: tuple[int, int]) ->
     return order, ends, order // pairs_per_row[0], order // pairs_per_row[1]
 
 
+def _grouped_mm_operands(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """x's rows [N*I, D_in] and the weight, zero-padded to the 16-byte row strides the grouped GEMM needs (the
+    automatic CPU path takes only widths that need none)."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise RuntimeError(f"the grouped_mm regime takes float32, bfloat16 or float16 inputs, not {x.dtype}")
+    align = 16 // x.element_size()
+    d_in, d_out = weight.shape[1:]
+    d_in_p, d_out_p = -(-d_in // align) * align, -(-d_out // align) * align
+    if (d_in_p, d_out_p) != (d_in, d_out):
+        weight = torch.nn.functional.pad(weight, (0, d_out_p - d_out, 0, d_in_p - d_in))
+    return _padded(x.reshape(-1, d_in), d_in_p), weight.contiguous()
+
+
 def _grouped_mm_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     n, slots = index.shape
     n_experts, d_in, d_out = weight.shape
+    acc = _acc_dtype(x)
     order, ends, src, dst = _by_expert(index, n_experts, (slots // x.shape[1], slots // n_out))
-    rows = x.reshape(-1, d_in).index_select(0, src)
-    gates = None if gate is None else gate.reshape(-1, 1).index_select(0, order).to(x.dtype)
-    if gates is not None and d_in < d_out:  # gate the narrower side
+    x2, w = _grouped_mm_operands(x, weight)
+    rows = x2.index_select(0, src)
+    gates = None if gate is None else gate.reshape(-1, 1).index_select(0, order).to(acc)
+    gate_rows = gates is not None and x.dtype == acc and d_in < d_out  # gate the narrower side (half: the result)
+    if gate_rows:
         rows.mul_(gates)
-    y = _GROUPED_MM(rows, weight, offs=ends)
-    if gates is not None and d_in >= d_out:
+    y = _GROUPED_MM(rows, w, offs=ends).to(acc)
+    if gates is not None and not gate_rows:
         y.mul_(gates)
     if _one_segment_per_row(slots, n_out, 1):  # sigma-MoE up: each output row is one pair's
-        return _unsorted(y, dst, d_out).view(n, n_out, d_out)
-    return torch.zeros(n * n_out, d_out, dtype=x.dtype).index_add_(0, dst, y).view(n, n_out, d_out)
+        out = _unsorted(y, dst, d_out)
+    else:
+        out = torch.zeros(n * n_out, y.shape[1], dtype=acc, device=x.device).index_add_(0, dst, y)
+    return _as_rows(out, d_out, x.dtype).view(n, n_out, d_out)
+
+
+def _as_rows(t: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """t's first `width` columns, contiguous, in `dtype` (t itself where it is that already)."""
+    return t if t.shape[1] == width and t.dtype == dtype else t[:, :width].to(dtype).contiguous()
 
 
 def _grouped_mm_backward(
@@ -932,28 +955,47 @@ def _grouped_mm_backward(
 ) -> Grads:
     n, slots = index.shape
     n_experts, d_in, d_out = weight.shape
+    acc = _acc_dtype(x)
     order, ends, src, dst = _by_expert(index, n_experts, (slots // x.shape[1], slots // grad.shape[1]))
-    xs = x.reshape(-1, d_in).index_select(0, src)
-    gs = grad.reshape(-1, d_out).to(x.dtype).index_select(0, dst)
-    gates = None if gate is None else gate.reshape(-1, 1).index_select(0, order).to(x.dtype)
+    x2, w = _grouped_mm_operands(x, weight)
+    xs = x2.index_select(0, src)
+    gs = _padded(grad.reshape(-1, d_out).to(x.dtype), w.shape[2]).index_select(0, dst)
+    gates = None if gate is None else gate.reshape(-1, 1).index_select(0, order).to(acc)
     # The un-gated input gradient u = g @ W^T of each pair also gives its gate gradient <x, u> (= <x @ W, g>).
-    u = _GROUPED_MM(gs, weight.transpose(1, 2), offs=ends)
+    u = _GROUPED_MM(gs, w.transpose(1, 2), offs=ends).to(acc)
     grad_gate = x.new_empty(0, dtype=gate.dtype if gate is not None else x.dtype)
     if need_gate_grad and gate is not None:
-        sorted_grad = torch.linalg.vecdot(u, xs)
+        sorted_grad = torch.linalg.vecdot(u, xs.to(acc))
         grad_gate = torch.empty_like(sorted_grad).index_copy_(0, order, sorted_grad).view(n, slots).to(gate.dtype)
     if gates is not None:
         u.mul_(gates)
     if _one_segment_per_row(slots, x.shape[1], 1):  # sigma-MoE down: each input row is one pair's
         grad_x = _unsorted(u, src, d_in)
     else:
-        grad_x = torch.zeros(n * x.shape[1], d_in, dtype=x.dtype).index_add_(0, src, u)
+        grad_x = torch.zeros(x2.shape, dtype=acc, device=x.device).index_add_(0, src, u)
     grad_w = weight.new_empty(0)
     if need_weight_grad:
-        if gates is not None:
-            (xs if d_in < d_out else gs).mul_(gates)  # the narrower side
-        grad_w = _GROUPED_MM(xs.t(), gs, offs=ends)  # [E, D_in, D_out], zero for experts without pairs
-    return grad_x.view(x.shape), grad_w, grad_gate
+        if gates is not None:  # the narrower side, this call's own copy (half: rounded, as the other regimes do)
+            (xs if d_in < d_out else gs).mul_(gates)
+        # [E, D_in, D_out], zero for experts without pairs
+        grad_w = _GROUPED_MM(xs.t(), gs, offs=ends)
+        if grad_w.shape[1:] != weight.shape[1:] or grad_w.dtype != weight.dtype:
+            grad_w = grad_w[:, :d_in, :d_out].to(weight.dtype).contiguous()
+    return _as_rows(grad_x, d_in, x.dtype).view(x.shape), grad_w, grad_gate
+
+
+def grouped_mm_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    """grouped's experts in one call of torch's grouped GEMM, at any size and on any device where torch has it
+    (the CPU's grouped regime takes it below its thresholds; explicitly, to time it elsewhere: the CUDA tensors'
+    index_add_ adds with atomics, so there this regime is not reproducible bit for bit)."""
+    return _grouped_mm_forward(x, weight, index, gate, n_out)
+
+
+def grouped_mm_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool = True,
+) -> Grads:
+    return _grouped_mm_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad)
 
 
 def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
@@ -985,6 +1027,8 @@ def combo_backward(
 
 FORWARD = {"gather": gather_forward, "dense": dense_forward, "grouped": grouped_forward, "combo": combo_forward}
 BACKWARD = {"gather": gather_backward, "dense": dense_backward, "grouped": grouped_backward, "combo": combo_backward}
+# Never picked by `choose_regime`; for `regime=` and `benchmarks/kernels.py --regimes grouped_mm`.
+FORWARD["grouped_mm"], BACKWARD["grouped_mm"] = grouped_mm_forward, grouped_mm_backward
 
 
 def _widened(x: Tensor, widen: bool | None) -> bool:
