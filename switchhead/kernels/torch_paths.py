@@ -96,10 +96,10 @@ CPU_COSTS = {
     # mean (worst 1.43x, sigma-MoE down at N = 32, where the bag is still ahead), up to 16 (the Intel VM's count)
     # 1.139x (worst 2.23x, sigma-MoE up at N = 5), up to 32 or 128 1.060x and 1.038x: dense's GEMMs run slower
     # here than there while the bag's row reads do not.
-    # The backward's gather: up to 16 pairs for both kinds of shape, fitted beside the dense backward of the constants
-    # before (`--n 1 2 3 4 6 8 12 16 24 32 48 64 --regimes gather dense grouped` twice, `regime_fit.py
-    # --gather-backward`: 1.023x the better regime's time, worst 1.66x, 262M O at N = 3; the Intel VM's (32, 4)
-    # 1.061x); not fitted again beside the grouped GEMM.
+    # The backward's gather: up to 8 pairs for both kinds of shape, fitted beside grouped with the grouped GEMM: `--n
+    # 1 2 3 4 6 8 --regimes gather dense grouped` twice, `regime_fit.py --gather-backward`: 1.010x the better
+    # regime's time in the geometric mean (worst 1.26x, 47M O at N = 1), against 1.075x with the 16 pairs for both
+    # fitted beside the dense backward before (worst 1.71x, 47M V at N = 2).
     # The broadcast: `--n 32 64 96 128 192 256 --regimes dense --against 8bbca23` (broadcast up to 256 rows at every
     # width), twice, with and without `--case` shapes of other widths: see "The dense forward's broadcast, by width" in
     # docs/BENCHMARKS.md.
@@ -112,7 +112,7 @@ CPU_COSTS = {
     # 0.98 and O 1.01 at 640 (107), 0.97 and 1.00-1.01 at 768, O 0.97-0.98 from 1024.
     "default": CpuCosts(
         per_expert=(8.8e4, 1e5, 5e4), per_element=(36.0, 0.0, 0.0), bag_max_pairs=64,
-        gather_backward_max_pairs={"expand": 16, "contract": 16}, broadcast_max_rows={"aligned": 256, "unaligned": 64},
+        gather_backward_max_pairs={"expand": 8, "contract": 8}, broadcast_max_rows={"aligned": 256, "unaligned": 64},
         gemm_pad_min_pairs=512, combo_forward_min_per_set=128,
     ),
     # Intel Xeon VMs (Cascade Lake, AVX-512), where MKL's fp32 GEMMs run up to 2.3x faster than on the EPYC VMs,
