@@ -7,8 +7,9 @@
 # Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), table (the GPU
 # table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), frozen (forward + backward with
 # the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM, and
-# the grouped_mm regime, torch's grouped GEMM over the expert-sorted pairs, beside the Triton kernels, the kernels with grad_x and/or the weight gradient by cuBLAS, and the op as it runs
-# by default: bf16, N = 1024, 4096 and 16384), splits (the kernels' backward with the weight gradient's pairs in
+# the grouped_mm regime, torch's grouped GEMM over the expert-sorted pairs, beside the Triton kernels, the kernels
+# with grad_x and/or the weight gradient by cuBLAS, and the op as it runs by default: bf16, N = 1024, 4096 and
+# 16384), splits (the kernels' backward with the weight gradient's pairs in
 # 1, 2, 4 and 8 chunks per expert, beside the count the geometry picks: bf16, N = 4096 and 16384), against (the
 # Triton kernels beside themselves as of AGAINST, a git revision or a directory holding an old checkout, e.g. one
 # made with `git worktree add scratch/old REV`: bf16, N = 4096 and 16384; only when named).

@@ -346,7 +346,8 @@ def grouped_mm_table(ns: list[int], repeats: int) -> list[str]:
     }
 
     def per_expert(case: Case, n: int) -> str:
-        return str(n * case.slots * max(case.d_in, case.d_out) // (case.heads * case.experts))
+        elements = torch_paths.grouped_mm_elements(n * case.slots, case.heads * case.experts, case.d_in, case.d_out)
+        return str(int(elements))
 
     return _fwd_bwd_table(ns, variants, repeats, extra=("per expert: pairs x max(D_in, D_out)", per_expert))
 

@@ -1081,8 +1081,8 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
 
 def test_gpu_kernels_timed_against_an_old_checkout(backend, tmp_path):
     """`benchmarks/kernels.py --device cuda --against DIR`: the Triton kernels as they lie in an old checkout
-    beside the current ones, here a copy whose forward is changed to scale its result, which the timed calls
-    must run (the table times what it says it times)."""
+    beside the current ones, here a copy whose forward records its calls, which the timed calls must reach (the
+    table times what it says it times)."""
     from switchhead.kernels import triton_kernels
 
     backend("triton")

@@ -712,9 +712,9 @@ def _unsorted(rows_sorted: Tensor, order: Tensor, width: int) -> Tensor:
     return rows_sorted[:, :width].index_select(0, inverse)
 
 
-def aligned(d: int) -> int:
-    """d rounded up to a multiple of GEMM_ALIGN."""
-    return -(-d // GEMM_ALIGN) * GEMM_ALIGN
+def aligned(d: int, align: int = GEMM_ALIGN) -> int:
+    """d rounded up to a multiple of `align` (default GEMM_ALIGN)."""
+    return -(-d // align) * align
 
 
 def _gemm_width(d: int, x: Tensor, index: Tensor, n_experts: int) -> int:
@@ -890,6 +890,11 @@ def _grouped_mm_on_cpu() -> bool:
     return y.shape == (3, 4) and bool((y == 4).all())
 
 
+def grouped_mm_elements(pairs: int, n_experts: int, d_in: int, d_out: int) -> float:
+    """What the grouped GEMM's thresholds are set in: each expert's (expected) pairs x the wider width."""
+    return pairs * max(d_in, d_out) / n_experts
+
+
 def _grouped_mm_fits(x: Tensor, weight: Tensor, index: Tensor, backward: bool = False) -> bool:
     d_in, d_out = weight.shape[1:]
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not _grouped_mm_on_cpu():
@@ -897,7 +902,7 @@ def _grouped_mm_fits(x: Tensor, weight: Tensor, index: Tensor, backward: bool = 
     if d_in % 4 or d_out % 4 or not weight.is_contiguous() or index.numel() == 0:
         return False
     limit = GROUPED_MM_BACKWARD_MAX_ELEMENTS if backward else GROUPED_MM_MAX_ELEMENTS
-    return index.numel() * max(d_in, d_out) <= limit * weight.shape[0]
+    return grouped_mm_elements(index.numel(), *weight.shape) <= limit
 
 
 def _by_expert(index: Tensor, n_experts: int, pairs_per_row: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -917,13 +922,21 @@ def _grouped_mm_operands(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         raise RuntimeError(f"the grouped_mm regime takes float32, bfloat16 or float16 inputs, not {x.dtype}")
     align = 16 // x.element_size()
     d_in, d_out = weight.shape[1:]
-    d_in_p, d_out_p = -(-d_in // align) * align, -(-d_out // align) * align
+    d_in_p, d_out_p = aligned(d_in, align), aligned(d_out, align)
     if (d_in_p, d_out_p) != (d_in, d_out):
         weight = torch.nn.functional.pad(weight, (0, d_out_p - d_out, 0, d_in_p - d_in))
     return _padded(x.reshape(-1, d_in), d_in_p), weight.contiguous()
 
 
-def _grouped_mm_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+def _as_rows(t: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """t's first `width` columns, contiguous, in `dtype` (t itself where it is that already)."""
+    return t if t.shape[1] == width and t.dtype == dtype else t[:, :width].to(dtype).contiguous()
+
+
+def grouped_mm_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+    """grouped's experts in one call of torch's grouped GEMM, at any size and on any device where torch has it:
+    what the CPU's grouped regime runs below its thresholds, and (`regime="grouped_mm"`) a regime of its own to
+    time elsewhere. On CUDA its index_add_ adds with atomics, so there it is not reproducible bit for bit."""
     n, slots = index.shape
     n_experts, d_in, d_out = weight.shape
     acc = _acc_dtype(x)
@@ -944,14 +957,9 @@ def _grouped_mm_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor |
     return _as_rows(out, d_out, x.dtype).view(n, n_out, d_out)
 
 
-def _as_rows(t: Tensor, width: int, dtype: torch.dtype) -> Tensor:
-    """t's first `width` columns, contiguous, in `dtype` (t itself where it is that already)."""
-    return t if t.shape[1] == width and t.dtype == dtype else t[:, :width].to(dtype).contiguous()
-
-
-def _grouped_mm_backward(
+def grouped_mm_backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
-    need_weight_grad: bool,
+    need_weight_grad: bool = True,
 ) -> Grads:
     n, slots = index.shape
     n_experts, d_in, d_out = weight.shape
@@ -984,23 +992,9 @@ def _grouped_mm_backward(
     return _as_rows(grad_x, d_in, x.dtype).view(x.shape), grad_w, grad_gate
 
 
-def grouped_mm_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
-    """grouped's experts in one call of torch's grouped GEMM, at any size and on any device where torch has it
-    (the CPU's grouped regime takes it below its thresholds; explicitly, to time it elsewhere: the CUDA tensors'
-    index_add_ adds with atomics, so there this regime is not reproducible bit for bit)."""
-    return _grouped_mm_forward(x, weight, index, gate, n_out)
-
-
-def grouped_mm_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
-    need_weight_grad: bool = True,
-) -> Grads:
-    return _grouped_mm_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad)
-
-
 def grouped_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     if _grouped_mm_fits(x, weight, index):
-        return _grouped_mm_forward(x, weight, index, gate, n_out)
+        return grouped_mm_forward(x, weight, index, gate, n_out)
     return _segments_forward(x, weight, index, gate, n_out, 1)
 
 
@@ -1009,7 +1003,7 @@ def grouped_backward(
     need_weight_grad: bool = True,
 ) -> Grads:
     if _grouped_mm_fits(x, weight, index, backward=True):
-        return _grouped_mm_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad)
+        return grouped_mm_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad)
     return _segments_backward(grad, x, weight, index, gate, need_gate_grad, need_weight_grad, 1)
 
 
