@@ -3,7 +3,7 @@
     python benchmarks/kernels.py --threads 1 --n 16 32 64 128 256 512 1024 2048 --regimes dense grouped > a.md
     python benchmarks/regime_fit.py a.md b.md ...          # each CPU_COSTS kind, per table and over all of them
     python benchmarks/regime_fit.py a.md b.md ... --grid   # and the grid's best constants over all the tables
-    python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 --regimes gather dense > g.md
+    python benchmarks/kernels.py --threads 1 --n 1 2 4 8 16 --regimes gather dense grouped > g.md
     python benchmarks/regime_fit.py --bag g.md ...          # the embedding_bag's threshold (bag_max_pairs)
     python benchmarks/kernels.py --threads 1 --n 1 2 3 4 6 8 --regimes gather dense grouped > b.md
     python benchmarks/regime_fit.py --gather-backward b.md ...   # the backward's (gather_backward_max_pairs)
@@ -14,10 +14,11 @@ of the regime the rule picks over the better of the two; cells where the rule pi
 count. Printed: the geometric mean of that ratio and the worst cell, for each pass with its own constants (forward,
 backward of input-contracting shapes, backward of input-expanding ones). With --bag, `--regimes gather dense` tables
 instead: each forward cell scored with the gather (one embedding_bag) picked up to a number of (token, slot) pairs
-and dense above it, for several such numbers. With --gather-backward, `--regimes gather dense grouped` tables: each
-backward cell scored with the gather picked up to one number of pairs for input-expanding shapes (I <= R) and another
-for input-contracting ones, for every pair of such numbers; above them the regime each kind's rule picks without the
-gather (dense or grouped).
+and dense above it, for several such numbers; with `--regimes gather dense grouped` tables, above it the regime each
+kind's rule picks without the bag (dense or grouped). With --gather-backward, `--regimes gather dense grouped`
+tables: each backward cell scored with the gather picked up to one number of pairs for input-expanding shapes (I <= R)
+and another for input-contracting ones, for every pair of such numbers; above them the regime each kind's rule picks
+without the gather (dense or grouped).
 """
 
 from __future__ import annotations
@@ -32,19 +33,19 @@ from switchhead.kernels import torch_paths
 from switchhead.kernels.torch_paths import CpuCosts
 
 COLUMNS = ("dense fwd", "dense bwd", "grouped fwd", "grouped bwd")
-BAG_COLUMNS = ("gather fwd", "dense fwd")
+BAG_COLUMNS = ("gather fwd", "dense fwd")  # and "grouped fwd" where the table has it
 BAG_PAIRS = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # thresholds --bag scores
 GATHER_BACKWARD_COLUMNS = ("gather bwd", "dense bwd", "grouped bwd")
 GATHER_BACKWARD_PAIRS = (0, 4, 6, 8, 12, 16, 24, 32)  # thresholds --gather-backward scores, for each kind of shape
 PASSES = ("forward", "backward (I > R)", "backward (I <= R)")  # CpuCosts' constants, by `torch_paths.cost_pass`
-# case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms; --gather-backward: gather ms, dense ms, and
-# grouped ms as a sixth item)
+# case, N, backward, dense ms, grouped ms (--bag: gather ms, dense ms, and grouped ms as a sixth item where the table
+# has it; --gather-backward: gather ms, dense ms, and grouped ms as a sixth item)
 Cell = tuple[Case, int, bool, float, float] | tuple[Case, int, bool, float, float, float]
 
 
 def read_cells(text: str, bag: bool = False, gather_backward: bool = False) -> list[Cell]:
-    """The cells of every table with the regimes' columns (--bag: the gather's and dense's forward only;
-    --gather-backward: the gather's backward beside dense's and grouped's)."""
+    """The cells of every table with the regimes' columns (--bag: the gather's and dense's forward, and grouped's
+    where the table has it; --gather-backward: the gather's backward beside dense's and grouped's)."""
     columns = BAG_COLUMNS if bag else GATHER_BACKWARD_COLUMNS if gather_backward else COLUMNS
     by_name = {c.name: c for c in CASES}
     cells: list[Cell] = []
@@ -58,8 +59,11 @@ def read_cells(text: str, bag: bool = False, gather_backward: bool = False) -> l
             if gather_backward:
                 cells.append((case, int(row["N"]), True, *(float(row[c]) for c in GATHER_BACKWARD_COLUMNS)))
                 continue
-            pairs = [(False, columns)] if bag else [(False, COLUMNS[0::2]), (True, COLUMNS[1::2])]
-            for backward, (a, b) in pairs:
+            if bag:
+                times = (float(row[c]) for c in BAG_COLUMNS + ("grouped fwd",) if c in row)
+                cells.append((case, int(row["N"]), False, *times))
+                continue
+            for backward, (a, b) in [(False, COLUMNS[0::2]), (True, COLUMNS[1::2])]:
                 cells.append((case, int(row["N"]), backward, float(row[a]), float(row[b])))
     return cells
 
@@ -89,12 +93,18 @@ def score(cells: list[Cell], costs: CpuCosts, pass_: int) -> tuple[float, float,
     return _summary(scored)
 
 
-def score_bag(cells: list[Cell], max_pairs: int) -> tuple[float, float, str, int]:
-    """The same for the gather (embedding_bag) forward picked up to `max_pairs` (token, slot) pairs, dense above."""
+def score_bag(cells: list[Cell], max_pairs: int, costs: CpuCosts | None = None) -> tuple[float, float, str, int]:
+    """The same for the gather (embedding_bag) forward picked up to `max_pairs` (token, slot) pairs; above it dense,
+    or, in cells with grouped's forward, the regime (dense or grouped) that `costs` picks without the bag."""
     scored = []
-    for case, n, _, gather, dense in cells:
-        pick = gather if n * case.slots <= max_pairs else dense
-        scored.append((pick / min(gather, dense), f"{case.name} N={n}"))
+    no_bag = costs._replace(bag_max_pairs=0) if costs else None
+    for case, n, _, gather, dense, *grouped in cells:
+        other = dense
+        if grouped and no_bag:
+            shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
+            other = dense if torch_paths.choose_regime(*shape, bag=True, costs=no_bag) == "dense" else grouped[0]
+        pick = gather if n * case.slots <= max_pairs else other
+        scored.append((pick / min(gather, other), f"{case.name} N={n}"))
     return _summary(scored)
 
 
@@ -162,6 +172,14 @@ def main() -> None:
                 for contract in GATHER_BACKWARD_PAIRS:
                     mean, worst, where, count = score_gather_backward(every, expand, contract, costs)
                     print(f"| {expand} | {contract} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
+        return
+    if args.bag and any(len(cell) > 5 for cell in every):  # with grouped: above the bag, each kind's own pick
+        for kind, costs in torch_paths.CPU_COSTS.items():
+            print(f"\n## {kind} (now {costs.bag_max_pairs}): above the bag, its dense or grouped\n")
+            print("| pairs | forward over all tables |\n|---|---|")
+            for pairs in BAG_PAIRS:
+                mean, worst, where, count = score_bag(every, pairs, costs)
+                print(f"| {pairs} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
         return
     if args.bag:
         now = ", ".join(f"{kind} {costs.bag_max_pairs}" for kind, costs in torch_paths.CPU_COSTS.items())

@@ -1359,7 +1359,8 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     """`benchmarks/regime_fit.py`: every dense/grouped cell of a `--regimes` table scored by the time of the regime
     the rule picks over the better one's, for each pass with its own constants (forward, backward of
     input-contracting shapes, backward of input-expanding ones); combo cells and other tables left out. With --bag, the
-    gather/dense forward cells scored for a threshold in (token, slot) pairs; with --gather-backward, the gather's
+    gather/dense forward cells scored for a threshold in (token, slot) pairs, against dense above it or, where the
+    table has grouped's forward, the regime a kind's rule picks; with --gather-backward, the gather's
     backward cells for a threshold per kind of shape, against the regime each kind's rule picks above it."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     names = ("regime_fit", "kernels")
@@ -1407,6 +1408,25 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     assert [(c[0].name, c[1], c[3], c[4]) for c in bag_cells] == [("47M O", 16, 9.0, 1.0)]
     assert regime_fit.score_bag(bag_cells, 16 * 6) == (pytest.approx(9.0), 9.0, "47M O N=16", 1)
     assert regime_fit.score_bag(bag_cells, 16 * 6 - 1) == (1.0, 1.0, "-", 1)
+    # --bag on gather/dense/grouped tables: above the bag, the regime a kind's rule picks without it (262M V: S = 8)
+    bag_table = """
+| case | N | gather fwd | gather bwd | dense fwd | dense bwd | grouped fwd | grouped bwd | auto fwd / bwd |
+|---|---|---|---|---|---|---|---|---|
+| 262M V | 11 | 4.0 | 1.0 | 1.0 | 1.0 | 2.0 | 1.0 | - |
+| 47M O | 1 | 1.0 | 1.0 | 3.0 | 1.0 | 5.0 | 1.0 | - |
+"""
+    bag_cells = regime_fit.read_cells(bag_table, bag=True)
+    assert [(c[0].name, *c[1:]) for c in bag_cells] == [
+        ("262M V", 11, False, 4.0, 1.0, 2.0), ("47M O", 1, False, 1.0, 3.0, 5.0)
+    ]
+    eager = default._replace(per_expert=(0.0,) * 3, per_element=(0.0,) * 3)  # grouped wherever dense wastes MACs
+    for costs in (None, default, eager):
+        assert regime_fit.score_bag(bag_cells, 6, costs) == (1.0, 1.0, "-", 2)
+    assert regime_fit.score_bag(bag_cells, 88, None) == (pytest.approx(2.0), 4.0, "262M V N=11", 2)
+    assert regime_fit.score_bag(bag_cells, 88, default) == (pytest.approx(2.0), 4.0, "262M V N=11", 2)
+    assert regime_fit.score_bag(bag_cells, 88, eager) == (pytest.approx(2**0.5), 2.0, "262M V N=11", 2)
+    assert regime_fit.score_bag(bag_cells, 5, default) == (pytest.approx(3**0.5), 3.0, "47M O N=1", 2)
+    assert regime_fit.score_bag(bag_cells, 5, eager) == (pytest.approx(5**0.5), 5.0, "47M O N=1", 2)
     # --gather-backward: the gather's backward beside dense's and grouped's, each kind of shape with its own threshold
     # in pairs (47M V and O: S = 6), above it the regime the kind's rule picks (47M V at N = 2: dense on default,
     # grouped on intel-avx512)

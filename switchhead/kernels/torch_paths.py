@@ -95,7 +95,9 @@ CPU_COSTS = {
     # `benchmarks/regime_fit.py --bag`: up to 64 pairs it takes 1.025x the better forward's time in the geometric
     # mean (worst 1.43x, sigma-MoE down at N = 32, where the bag is still ahead), up to 16 (the Intel VM's count)
     # 1.139x (worst 2.23x, sigma-MoE up at N = 5), up to 32 or 128 1.060x and 1.038x: dense's GEMMs run slower
-    # here than there while the bag's row reads do not.
+    # here than there while the bag's row reads do not. Scored again beside grouped with the grouped GEMM (`--n 1 2 3
+    # 4 5 6 8 10 11 12 16 21 24 32 --regimes gather dense grouped` twice, and once to 16): 64 pairs 1.016x the better
+    # of the bag and the rule's pick above it, 48 1.020x, 96 1.029x.
     # The backward's gather: up to 8 pairs for both kinds of shape, fitted beside grouped with the grouped GEMM: `--n
     # 1 2 3 4 6 8 --regimes gather dense grouped` twice, `regime_fit.py --gather-backward`: 1.010x the better
     # regime's time in the geometric mean (worst 1.26x, 47M O at N = 1), against 1.075x with the 16 pairs for both
