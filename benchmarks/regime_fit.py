@@ -75,9 +75,16 @@ def _summary(scored: list[tuple[float, str]]) -> tuple[float, float, str, int]:
     return mean, max(worst, 1.0), where if worst > 1.0 else "-", len(scored)
 
 
-def _pick(case: Case, n: int, backward: bool, costs: CpuCosts) -> str:
+def _pick(case: Case, n: int, backward: bool, costs: CpuCosts, bag: bool = False) -> str:
     shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
-    return torch_paths.choose_regime(*shape, backward, costs=costs)
+    return torch_paths.choose_regime(*shape, backward, bag=bag, costs=costs)
+
+
+def _above_gather(case: Case, n: int, backward: bool, costs: CpuCosts, dense: float, grouped: float) -> float:
+    """The time of the regime (dense or grouped) that `costs` picks for this cell with the gather ruled out (the
+    forward's as one embedding_bag, as --bag scores it)."""
+    none = costs._replace(bag_max_pairs=0, gather_backward_max_pairs={"expand": 0, "contract": 0})
+    return dense if _pick(case, n, backward, none, bag=not backward) == "dense" else grouped
 
 
 def score(cells: list[Cell], costs: CpuCosts, pass_: int) -> tuple[float, float, str, int]:
@@ -97,12 +104,8 @@ def score_bag(cells: list[Cell], max_pairs: int, costs: CpuCosts | None = None) 
     """The same for the gather (embedding_bag) forward picked up to `max_pairs` (token, slot) pairs; above it dense,
     or, in cells with grouped's forward, the regime (dense or grouped) that `costs` picks without the bag."""
     scored = []
-    no_bag = costs._replace(bag_max_pairs=0) if costs else None
     for case, n, _, gather, dense, *grouped in cells:
-        other = dense
-        if grouped and no_bag:
-            shape = (n, case.n_in, case.slots, case.n_out, case.heads * case.experts, case.d_in, case.d_out)
-            other = dense if torch_paths.choose_regime(*shape, bag=True, costs=no_bag) == "dense" else grouped[0]
+        other = _above_gather(case, n, False, costs, dense, *grouped) if grouped and costs else dense
         pick = gather if n * case.slots <= max_pairs else other
         scored.append((pick / min(gather, other), f"{case.name} N={n}"))
     return _summary(scored)
@@ -114,10 +117,9 @@ def score_gather_backward(
     """The same for the gather backward picked up to `expand_pairs` pairs for input-expanding shapes and up to
     `contract_pairs` for the others, above them the regime (dense or grouped) that `costs` picks without it."""
     scored = []
-    no_gather = costs._replace(gather_backward_max_pairs={"expand": 0, "contract": 0})
     for case, n, _, gather, dense, grouped in cells:
         expands = torch_paths.dense_expands_inputs(case.n_in, case.n_out)
-        other = dense if _pick(case, n, True, no_gather) == "dense" else grouped
+        other = _above_gather(case, n, True, costs, dense, grouped)
         pick = gather if n * case.slots <= (expand_pairs if expands else contract_pairs) else other
         scored.append((pick / min(gather, other), f"{case.name} N={n}"))
     return _summary(scored)
@@ -173,20 +175,17 @@ def main() -> None:
                     mean, worst, where, count = score_gather_backward(every, expand, contract, costs)
                     print(f"| {expand} | {contract} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
         return
-    if args.bag and any(len(cell) > 5 for cell in every):  # with grouped: above the bag, each kind's own pick
-        for kind, costs in torch_paths.CPU_COSTS.items():
-            print(f"\n## {kind} (now {costs.bag_max_pairs}): above the bag, its dense or grouped\n")
-            print("| pairs | forward over all tables |\n|---|---|")
+    if args.bag:
+        # Above the bag: dense, or, where the tables have grouped's forward, each kind's own pick (a table per kind).
+        kinds = torch_paths.CPU_COSTS.items() if any(len(cell) > 5 for cell in every) else [(None, None)]
+        for kind, costs in kinds:
+            every_kind = ", ".join(f"{k} {c.bag_max_pairs}" for k, c in torch_paths.CPU_COSTS.items())
+            now = f"{kind} {costs.bag_max_pairs}" if kind else every_kind
+            above = f"{kind}'s dense or grouped" if kind else "dense"
+            print(f"\n| pairs | forward over all tables, {above} above (now {now}) |\n|---|---|")
             for pairs in BAG_PAIRS:
                 mean, worst, where, count = score_bag(every, pairs, costs)
                 print(f"| {pairs} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
-        return
-    if args.bag:
-        now = ", ".join(f"{kind} {costs.bag_max_pairs}" for kind, costs in torch_paths.CPU_COSTS.items())
-        print(f"\n| pairs | forward over all tables (now {now}) |\n|---|---|")
-        for pairs in BAG_PAIRS:
-            mean, worst, where, count = score_bag(every, pairs)
-            print(f"| {pairs} | {mean:.3f} (worst {worst:.2f}, {where}; {count} cells) |")
         return
     for kind, costs in torch_paths.CPU_COSTS.items():
         print(f"\n## {kind}: {costs}\n\n| table | " + " | ".join(PASSES) + " |\n|---|---|---|---|")
