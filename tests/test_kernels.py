@@ -12,6 +12,7 @@ import functools
 import itertools
 import math
 import os
+import random
 import re
 import sys
 from contextlib import contextmanager
@@ -1595,6 +1596,92 @@ def test_strided_inputs_match_naive_loop(shape, name, backend):
     out = expert_projection(x, w, index, gate, shape.n_out)
     got = [out.detach(), *torch.autograd.grad(out, [x, w, gate], grad)]
     assert_matches([t.cpu() for t in got], naive_all(shape, exact), torch.float32)
+
+
+def _random_case(seed: int, large: bool):
+    """A configuration that varies everything the op's callers vary, all at once, drawn from `seed`: the shape (with
+    `large`, token counts and widths through every CPU regime's range), the routing, the dtype, x's strides, a
+    transposed or frozen weight, the gate's dtype and whether it trains, and the index dtype. Returns the shape,
+    float64 inputs for the naive loop, and the op's arguments (leaves that require grad where they train)."""
+    rng = random.Random(seed)
+    n_in = rng.choice([1, 1, 2, 3, 4])
+    slots = n_in * rng.choice([1, 2, 3]) * rng.choice([1, 2])
+    shape = Shape(
+        n=rng.choice([1, 2, 5, 17, 40] + ([130, 300, 700] if large else [])),
+        n_in=n_in,
+        slots=slots,
+        n_out=rng.choice([r for r in range(1, slots + 1) if slots % r == 0]),
+        experts=rng.randint(1, 9),
+        d_in=rng.choice([1, 3, 16, 33] + ([76, 412] if large else [])),
+        d_out=rng.choice([1, 5, 8, 17] + ([64, 112] if large else [])),
+        gated=rng.random() < 0.8,
+        routing=rng.choice(["random", "random", "one_expert", "some_empty"]),
+    )
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+    exact, (x, w, index, gate, grad) = make(shape, dtype, seed)
+    if rng.random() < 0.3:
+        x = _every_other(x)
+    if rng.random() < 0.3:  # as nn.Linear stores its own
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    frozen = rng.random() < 0.25
+    if gate is not None and rng.random() < 0.5:
+        gate = gate.to(dtype)
+    if rng.random() < 0.5:
+        index = index.int()
+    gate_trains = gate is not None and rng.random() < 0.8
+    args = [x.requires_grad_(), w.requires_grad_(not frozen), index]
+    args.append(gate.requires_grad_(gate_trains) if gate is not None else None)
+    return shape, exact, args, grad, dtype
+
+
+@functools.cache
+def _random_case_loop(seed: int, large: bool) -> dict[str, torch.Tensor]:
+    """The float64 loop's output and gradients for `_random_case(seed, large)`, computed once for every call."""
+    shape, exact, *_ = _random_case(seed, large)
+    return dict(zip(("out", "grad_x", "grad_weight", "grad_gate"), naive_all(shape, exact)))
+
+
+def _trained(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None, dtype: torch.dtype) -> list[tuple]:
+    """The results a call gives for these inputs, each with its input and dtype: the output, and the gradients of
+    the inputs that train."""
+    results = [("out", x, dtype), ("grad_x", x, dtype), ("grad_weight", w, dtype)]
+    results += [("grad_gate", gate, gate.dtype)] if gate is not None else []
+    return [r for r in results if r[0] == "out" or r[1].requires_grad]
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("name", ["reference", "torch", "triton"])
+def test_op_on_random_configurations(name, seed, backend):
+    """Each backend, through the op and autograd, on configurations that combine what the other tests vary one at a
+    time: the output and the gradients of what trains, with their dtypes, against the float64 loop."""
+    backend(name)
+    shape, _, args, grad, dtype = _random_case(seed, large=name != "triton")
+    x, w, index, gate = (t.to(DEVICE) if t is not None else None for t in args)
+    out = expert_projection(x, w, index, gate, shape.n_out)
+    results = _trained(x, w, gate, dtype)
+    got = [out.detach(), *torch.autograd.grad(out, [t for _, t, _ in results[1:]], grad.to(out.device))]
+    assert [t.dtype for t in got] == [d for _, _, d in results]
+    want = _random_case_loop(seed, name != "triton")
+    names = [n for n, _, _ in results]
+    assert_matches([t.cpu() for t in got], [want[n] for n in names], dtype, names)
+
+
+@pytest.mark.parametrize("seed", range(10, 18))
+@pytest.mark.parametrize("regime", [*REGIMES, "grouped_mm"])
+def test_torch_regimes_on_random_configurations(regime, seed):
+    """Every PyTorch regime called directly (the op picks one by shape) on the same kind of configurations, asked
+    for just the gradients of what trains, as the op asks."""
+    shape, _, (x, w, index, gate), grad, dtype = _random_case(seed, large=True)
+    results = _trained(x, w, gate, dtype)
+    need_gate, need_weight = gate is not None and gate.requires_grad, w.requires_grad
+    with torch.no_grad():
+        out = torch_paths.forward(x, w, index, gate, shape.n_out, regime)
+        gx, gw, gg = torch_paths.backward(grad, x, w, index, gate, need_gate, need_weight, regime=regime)
+    got = [out, gx] + [gw] * need_weight + [gg] * need_gate
+    assert [t.dtype for t in got] == [d for _, _, d in results]
+    want = _random_case_loop(seed, True)
+    names = [n for n, _, _ in results]
+    assert_matches(got, [want[n] for n in names], dtype, names)
 
 
 class _Dispatches(TorchDispatchMode):
