@@ -1409,11 +1409,12 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     assert [(c[0].name, c[1], c[3], c[4]) for c in bag_cells] == [("47M O", 16, 9.0, 1.0)]
     assert regime_fit.score_bag(bag_cells, 16 * 6) == (pytest.approx(9.0), 9.0, "47M O N=16", 1)
     assert regime_fit.score_bag(bag_cells, 16 * 6 - 1) == (1.0, 1.0, "-", 1)
-    # --bag on gather/dense/grouped tables: above the bag, the regime a kind's rule picks without it (262M V: S = 8)
-    bag_table = """
+    three_regimes = """
 | case | N | gather fwd | gather bwd | dense fwd | dense bwd | grouped fwd | grouped bwd | auto fwd / bwd |
 |---|---|---|---|---|---|---|---|---|
-| 262M V | 11 | 4.0 | 1.0 | 1.0 | 1.0 | 2.0 | 1.0 | - |
+"""  # the header of `--regimes gather dense grouped` tables
+    # --bag on gather/dense/grouped tables: above the bag, the regime a kind's rule picks without it (262M V: S = 8)
+    bag_table = three_regimes + """| 262M V | 11 | 4.0 | 1.0 | 1.0 | 1.0 | 2.0 | 1.0 | - |
 | 47M O | 1 | 1.0 | 1.0 | 3.0 | 1.0 | 5.0 | 1.0 | - |
 """
     bag_cells = regime_fit.read_cells(bag_table, bag=True)
@@ -1431,10 +1432,7 @@ def test_regime_fit_scores_the_rule_on_measured_tables(monkeypatch):
     # --gather-backward: the gather's backward beside dense's and grouped's, each kind of shape with its own threshold
     # in pairs (47M V and O: S = 6), above it the regime the kind's rule picks (47M V at N = 2: dense on default,
     # grouped on intel-avx512)
-    backward_table = """
-| case | N | gather fwd | gather bwd | dense fwd | dense bwd | grouped fwd | grouped bwd | auto fwd / bwd |
-|---|---|---|---|---|---|---|---|---|
-| 47M V | 2 | 1.0 | 1.0 | 1.0 | 8.0 | 1.0 | 2.0 | - |
+    backward_table = three_regimes + """| 47M V | 2 | 1.0 | 1.0 | 1.0 | 8.0 | 1.0 | 2.0 | - |
 | 47M O | 1 | 1.0 | 3.0 | 1.0 | 1.0 | 1.0 | 8.0 | - |
 """
     gb_cells = regime_fit.read_cells(backward_table, gather_backward=True)
@@ -1602,7 +1600,8 @@ def _random_case(seed: int, large: bool):
     """A configuration that varies everything the op's callers vary, all at once, drawn from `seed`: the shape (with
     `large`, token counts and widths through every CPU regime's range), the routing, the dtype, x's strides, a
     transposed or frozen weight, the gate's dtype and whether it trains, and the index dtype. Returns the shape,
-    float64 inputs for the naive loop, and the op's arguments (leaves that require grad where they train)."""
+    float64 inputs for the naive loop, the op's arguments (leaves that require grad where they train) and the
+    output's gradient."""
     rng = random.Random(seed)
     n_in = rng.choice([1, 1, 2, 3, 4])
     slots = n_in * rng.choice([1, 2, 3]) * rng.choice([1, 2])
@@ -1631,7 +1630,7 @@ def _random_case(seed: int, large: bool):
     gate_trains = gate is not None and rng.random() < 0.8
     args = [x.requires_grad_(), w.requires_grad_(not frozen), index]
     args.append(gate.requires_grad_(gate_trains) if gate is not None else None)
-    return shape, exact, args, grad, dtype
+    return shape, exact, args, grad
 
 
 @functools.cache
@@ -1641,12 +1640,19 @@ def _random_case_loop(seed: int, large: bool) -> dict[str, torch.Tensor]:
     return dict(zip(("out", "grad_x", "grad_weight", "grad_gate"), naive_all(shape, exact)))
 
 
-def _trained(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None, dtype: torch.dtype) -> list[tuple]:
-    """The results a call gives for these inputs, each with its input and dtype: the output, and the gradients of
-    the inputs that train."""
-    results = [("out", x, dtype), ("grad_x", x, dtype), ("grad_weight", w, dtype)]
-    results += [("grad_gate", gate, gate.dtype)] if gate is not None else []
-    return [r for r in results if r[0] == "out" or r[1].requires_grad]
+def _trained(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
+    """The inputs that train, each with the name of its gradient."""
+    inputs = [("grad_x", x), ("grad_weight", w)] + ([("grad_gate", gate)] if gate is not None else [])
+    return [(name, t) for name, t in inputs if t.requires_grad]
+
+
+def _assert_random_case(got: list[torch.Tensor], x: torch.Tensor, trained: list[tuple[str, torch.Tensor]], seed: int,
+                        large: bool):
+    """`got` (the output, then the gradients of `trained`) in x's and the inputs' dtypes, against the float64 loop."""
+    assert [t.dtype for t in got] == [x.dtype] + [t.dtype for _, t in trained]
+    names = ["out"] + [name for name, _ in trained]
+    want = _random_case_loop(seed, large)
+    assert_matches([t.cpu() for t in got], [want[n] for n in names], x.dtype, names)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -1655,15 +1661,12 @@ def test_op_on_random_configurations(name, seed, backend):
     """Each backend, through the op and autograd, on configurations that combine what the other tests vary one at a
     time: the output and the gradients of what trains, with their dtypes, against the float64 loop."""
     backend(name)
-    shape, _, args, grad, dtype = _random_case(seed, large=name != "triton")
+    shape, _, args, grad = _random_case(seed, large=name != "triton")
     x, w, index, gate = (t.to(DEVICE) if t is not None else None for t in args)
     out = expert_projection(x, w, index, gate, shape.n_out)
-    results = _trained(x, w, gate, dtype)
-    got = [out.detach(), *torch.autograd.grad(out, [t for _, t, _ in results[1:]], grad.to(out.device))]
-    assert [t.dtype for t in got] == [d for _, _, d in results]
-    want = _random_case_loop(seed, name != "triton")
-    names = [n for n, _, _ in results]
-    assert_matches([t.cpu() for t in got], [want[n] for n in names], dtype, names)
+    trained = _trained(x, w, gate)
+    grads = torch.autograd.grad(out, [t for _, t in trained], grad.to(out.device))
+    _assert_random_case([out.detach(), *grads], x, trained, seed, name != "triton")
 
 
 @pytest.mark.parametrize("seed", range(10, 18))
@@ -1671,17 +1674,13 @@ def test_op_on_random_configurations(name, seed, backend):
 def test_torch_regimes_on_random_configurations(regime, seed):
     """Every PyTorch regime called directly (the op picks one by shape) on the same kind of configurations, asked
     for just the gradients of what trains, as the op asks."""
-    shape, _, (x, w, index, gate), grad, dtype = _random_case(seed, large=True)
-    results = _trained(x, w, gate, dtype)
+    shape, _, (x, w, index, gate), grad = _random_case(seed, large=True)
     need_gate, need_weight = gate is not None and gate.requires_grad, w.requires_grad
     with torch.no_grad():
         out = torch_paths.forward(x, w, index, gate, shape.n_out, regime)
         gx, gw, gg = torch_paths.backward(grad, x, w, index, gate, need_gate, need_weight, regime=regime)
     got = [out, gx] + [gw] * need_weight + [gg] * need_gate
-    assert [t.dtype for t in got] == [d for _, _, d in results]
-    want = _random_case_loop(seed, True)
-    names = [n for n, _, _ in results]
-    assert_matches(got, [want[n] for n in names], dtype, names)
+    _assert_random_case(got, x, _trained(x, w, gate), seed, True)
 
 
 class _Dispatches(TorchDispatchMode):
