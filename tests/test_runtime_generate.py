@@ -111,6 +111,39 @@ def test_stop_text_cuts_at_first_stop():
     assert s.add("abc") == "abc" and s.finish() == ""
 
 
+def _stop_text_naive(stops, pieces):
+    """What StopText must release, by brute force over the whole text after each piece."""
+    text, released, out = "", 0, []
+    for piece in pieces:
+        text += piece
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            text = text[:min(hits)]
+            out.append(text[released:])
+            return out, text, True
+        hold = max([n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+        out.append(text[released:max(released, len(text) - hold)])
+        released = max(released, len(text) - hold)
+    return out, text, False
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_text_against_brute_force(seed):
+    # A two-letter alphabet makes overlapping, self-similar stops and long partial matches common.
+    rng = random.Random(seed)
+    word = lambda n: "".join(rng.choice("ab") for _ in range(n))  # noqa: E731
+    for _ in range(200):
+        stops = [word(rng.randint(1, 7)) for _ in range(rng.randint(1, 3))]
+        pieces = [word(rng.randint(1, 3)) for _ in range(rng.randint(1, 12))]
+        s = StopText(stops)
+        got = [s.add(p) for p in pieces]
+        want, text, stopped = _stop_text_naive(stops, pieces)
+        assert got[:len(want)] == want and set(got[len(want):]) <= {""}, (stops, pieces)
+        assert (s.stopped, s.text) == (stopped, text)
+        if not stopped:
+            assert s.finish() == text[sum(map(len, want)):]
+
+
 # --- generation --------------------------------------------------------------------------------------------
 
 def test_greedy_is_deterministic_and_matches_forward(gen, model, sp):

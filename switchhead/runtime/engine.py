@@ -94,11 +94,16 @@ class Detokenizer:
 
 class StopText:
     """Accumulates generated text, cuts it at the first stop string, and releases only text that can no
-    longer turn out to be the start of a stop string."""
+    longer turn out to be the start of a stop string.
+
+    Each stop string is matched as a Knuth-Morris-Pratt automaton fed one character at a time, so a step costs
+    what its new text costs, however long the stop strings or the text so far (a rescan of the text's tail at
+    every token grew with the cube of the length for long stop strings)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(stops)
-        self.longest = max((len(s) for s in self.stops), default=0)
+        self._fallback = [_prefix_function(s) for s in self.stops]
+        self._matched = [0] * len(self.stops)  # per stop: its longest prefix that the text ends with
         self.text = ""
         self.released = 0
         self.stopped = False
@@ -106,20 +111,26 @@ class StopText:
     def add(self, piece: str) -> str:
         if self.stopped or not piece:
             return ""
-        start = max(0, len(self.text) - self.longest + 1)
+        base = len(self.text)
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            self.stopped = True
-            return self._release(len(self.text))
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:n]):
-                    hold = n
+        first = None  # the earliest start of a stop string that ends in this piece
+        for j, (s, fallback) in enumerate(zip(self.stops, self._fallback)):
+            m = self._matched[j]
+            for i, ch in enumerate(piece):
+                while m and s[m] != ch:
+                    m = fallback[m - 1]
+                if s[m] == ch:
+                    m += 1
+                if m == len(s):
+                    start = base + i + 1 - m
+                    first = start if first is None else min(first, start)
                     break
-        return self._release(len(self.text) - hold)
+            self._matched[j] = m
+        if first is not None:
+            self.text = self.text[:first]
+            self.stopped = True
+            return self._release(first)
+        return self._release(len(self.text) - max(self._matched, default=0))
 
     def finish(self) -> str:
         return self._release(len(self.text))
@@ -128,6 +139,17 @@ class StopText:
         out = self.text[self.released:end]
         self.released = max(self.released, end)
         return out
+
+
+def _prefix_function(s: str) -> list[int]:
+    """For each prefix s[:i+1], the length of its longest proper prefix that is also its suffix."""
+    pi = [0] * len(s)
+    for i in range(1, len(s)):
+        k = pi[i - 1]
+        while k and s[k] != s[i]:
+            k = pi[k - 1]
+        pi[i] = k + (s[k] == s[i])
+    return pi
 
 
 @dataclass
