@@ -32,14 +32,16 @@ def not_utf8(path: str | Path, data: bytes, start: int, offset: int, newlines_be
 
 
 def read_utf8(path: str | Path, error: type[SwitchheadError] = SwitchheadError) -> str:
-    """The text of a UTF-8 file. Unreadable or not UTF-8 is one line (an `error`) naming the file and where the
-    first bad byte is, not a decoder's traceback; nothing is replaced, so no U+FFFD reaches a tokenizer."""
+    """The text of a UTF-8 file, without the byte-order mark some editors put first (kept, it would be the first
+    character of a prompt, a document or a JSON text). Unreadable or not UTF-8 is one line (an `error`) naming the
+    file and where the first bad byte is, not a decoder's traceback; nothing is replaced, so no U+FFFD reaches a
+    tokenizer."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise not_utf8(path, raw, e.start, e.start, error=error) from None
 

@@ -182,3 +182,11 @@ def test_check_output_dir_replaces_only_what_is_ours(tmp_path):
     (tmp_path / "sub" / "notes.json").mkdir()  # a known name, but not a file
     (tmp_path / "sub" / "model.bin").write_text("")
     assert not ours(tmp_path / "sub")
+
+
+def test_read_utf8_drops_only_a_leading_byte_order_mark(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"\xef\xbb\xbfa\xef\xbb\xbfb\n")
+    assert fileio.read_utf8(f) == "a\ufeffb\n"
+    f.write_bytes(b"a\n")
+    assert fileio.read_utf8(f) == "a\n"

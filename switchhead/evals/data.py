@@ -145,7 +145,7 @@ def read_lines(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise SwitchheadError(f"data file not found: {path}")
-    text = read_utf8(path).removeprefix("\ufeff")
+    text = read_utf8(path)
     # the newlines open() would recognise (not str.splitlines's, which also splits at U+2028 and others)
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     return lines[:-1] if lines and not lines[-1] else lines

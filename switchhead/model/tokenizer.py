@@ -63,9 +63,7 @@ def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | Non
 def read_text(path: str | Path, *, unwrap: bool = False) -> str:
     """The text of a UTF-8 file; anything else is refused: replacing bad bytes would silently train on U+FFFD
     (and a binary file would look like a few tokens of text)."""
-    # A leading byte-order mark (common in UTF-8 books) marks the encoding; kept, every document would start
-    # with a U+FEFF token.
-    text = read_utf8(path).removeprefix("\ufeff")
+    text = read_utf8(path)  # without a leading byte-order mark (common in UTF-8 books)
     return unwrap_paragraphs(text) if unwrap else text
 
 
