@@ -1,8 +1,10 @@
 """Generation end to end: detokenisation, stop strings, seeds, batching, and the `switchhead generate` CLI."""
 
+import io
 import json
 import random
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.errors import SwitchheadError
 from switchhead.runtime import Backend, Detokenizer, Generator, SamplingParams, StopText, TorchBackend
+from switchhead.runtime.commands import run_generate
 
 
 @pytest.fixture(scope="module")
@@ -475,6 +478,38 @@ def test_cli_stdin_that_is_not_utf8_is_one_line_exit_2(ckpt):
     assert r.exit_code == 2, r.output
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("Error: the prompt on stdin is not valid UTF-8"), r.stderr
+
+
+@pytest.mark.parametrize("jsonl", [False, True])
+def test_cli_prompts_file_with_a_byte_order_mark(ckpt, tmp_path, jsonl):
+    prompts = ["the fox", "dawn"]
+    f = tmp_path / "p.txt"
+    lines = [json.dumps({"prompt": p}) if jsonl else p for p in prompts]
+    f.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())  # as Windows editors save UTF-8
+    r = _run(["--ckpt", ckpt, "--prompts-file", str(f), "--max-new-tokens", "1"])
+    assert r.exit_code == 0, r.output
+    assert [json.loads(line)["prompt"] for line in r.stdout.splitlines()] == prompts
+
+
+def _generate_from_stdin(ckpt, stdin) -> list[str]:
+    out = []
+    run_generate(None, ckpt, SamplingParams(max_new_tokens=1), None, True, None, 1, out.append, stdin=stdin)
+    return out
+
+
+def test_stdin_prompt_drops_its_line_end(ckpt):
+    # Untranslated, as a pipe delivers them (the test runner's stdin would turn CRLF into LF).
+    for text in ("the fox\n", "the fox\r\n", "the fox"):
+        (row,) = _generate_from_stdin(ckpt, io.StringIO(text, newline=""))
+        assert json.loads(row)["prompt"] == "the fox", text
+    (row,) = _generate_from_stdin(ckpt, io.StringIO("the fox\r", newline=""))  # no line end: all of it is prompt
+    assert json.loads(row)["prompt"] == "the fox\r"
+
+
+def test_closed_stdin_is_an_error(ckpt, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)  # what Python gives a process started with fd 0 closed
+    with pytest.raises(SwitchheadError, match="no PROMPT, no --prompts-file and no stdin"):
+        _generate_from_stdin(ckpt, None)
 
 
 # --- the library API with bad arguments ---------------------------------------------------------------------

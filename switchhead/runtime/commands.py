@@ -76,11 +76,15 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
         raise SwitchheadError("give a PROMPT or --prompts-file, not both")
     numbered = read_prompts_file(prompts_file) if prompts_file else None
     if numbered is None and prompt is None:
+        stdin = stdin or sys.stdin
+        if stdin is None:  # started with stdin closed (`<&-`)
+            raise SwitchheadError("no PROMPT, no --prompts-file and no stdin to read a prompt from")
         try:
-            text = (stdin or sys.stdin).read()
+            text = stdin.read()
         except UnicodeDecodeError as e:  # a strict stdin; under surrogateescape, Generator.encode reports it
             raise SwitchheadError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
-        prompt = text[:-1] if text.endswith("\n") else text
+        # The line end `echo` (or a Windows pipe: CRLF) adds is not part of the prompt.
+        prompt = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
     gen = load_generator(ckpt, device, onnx_dir, threads)
     if numbered is not None:
         for n, p in numbered:  # fail before spending time on the earlier batches
