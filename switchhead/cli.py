@@ -240,8 +240,9 @@ def info(config_spec, ckpt, as_json):
 @click.option("--save-every", type=int, default=1000, show_default=True, help="Checkpoint every N steps.")
 @click.option("--log-every", type=int, default=10, show_default=True, help="Write metrics every N steps.")
 @click.option("--resume", is_flag=True,
-              help="Continue the run in --out from its last checkpoint (options not given are taken "
-                   "from the run; changed ones are refused).")
+              help="Continue the run in --out from its last checkpoint. Options not given are those the run "
+                   "last ran with; those that define it (model, data, tokenizer, batch size, lr, warm-up, seed) "
+                   "cannot change, the others (--steps, --save-every, --eval-data, ...) can.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", help="cpu, cuda, cuda:1, ...; default: cuda if available. Under torchrun each "
               "process uses its LOCAL_RANK GPU.")

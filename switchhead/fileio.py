@@ -46,6 +46,14 @@ def read_utf8(path: str | Path, error: type[SwitchheadError] = SwitchheadError) 
         raise not_utf8(path, raw, e.start, e.start, error=error) from None
 
 
+def require_dir(path: str | Path, what: str, error: type[SwitchheadError] = SwitchheadError) -> None:
+    """A one-line `error` unless `path` is a directory: `what` (e.g. "checkpoint directory") not found, or the
+    path names something else, such as a file."""
+    if not Path(path).is_dir():
+        raise error(f"{path} is not a directory (expected a {what})" if os.path.lexists(path) else
+                    f"{what} not found: {path}")
+
+
 def check_creatable(path: str | Path, what: str) -> None:
     """A one-line error where creating `path` (and its missing parents) would fail: under a file, or in a
     directory this process cannot write. That is tried with a probe file, created and deleted: os.access says
@@ -54,12 +62,17 @@ def check_creatable(path: str | Path, what: str) -> None:
     parent = _nearest_existing(path)
     if not parent.is_dir():
         raise SwitchheadError(f"{what} {path}: cannot be created, {parent} is not a directory")
+    check_writable(parent, f"{what} {path}")
+
+
+def check_writable(directory: Path, label: str) -> None:
+    """A one-line error, starting with `label`, where no file can be created in the existing `directory`."""
     try:
-        fd, name = tempfile.mkstemp(prefix=".switchhead-probe-", dir=parent)
+        fd, name = tempfile.mkstemp(prefix=".switchhead-probe-", dir=directory)
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        raise SwitchheadError(f"{what} {path}: cannot write in {parent}: {e.strerror or e}") from None
+        raise SwitchheadError(f"{label}: cannot write in {directory}: {e.strerror or e}") from None
 
 
 # The names of the temporaries `write_atomic` and `atomic_directory` create beside their target.

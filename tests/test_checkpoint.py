@@ -159,9 +159,12 @@ def test_bad_checkpoints_give_one_clear_error(ckpt, damage, message):
         switchhead.load(ckpt)
 
 
-def test_missing_directory():
-    with pytest.raises(CheckpointError, match="not found"):
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint directory not found: /nonexistent/ck"):
         switchhead.load("/nonexistent/ck")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(CheckpointError, match=r"f is not a directory \(expected a checkpoint directory\)"):
+        switchhead.load(tmp_path / "f")
 
 
 def test_nothing_is_unpickled(ckpt, monkeypatch):

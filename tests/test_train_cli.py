@@ -2,12 +2,14 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 import switchhead
+from switchhead import fileio
 from switchhead.cli import main
 from switchhead.devices import native_half
 
@@ -339,6 +341,62 @@ def test_resume_refuses_steps_below_the_checkpoint(corpus, tmp_path):
     r = _run("--out", out, "--resume", "--steps", 4, "--no-progress")  # already complete: final/ as before
     assert r.exit_code == 0, r.output
     assert (out / "final" / "model.safetensors").read_bytes() == kept[0]
+
+
+def test_resume_records_the_options_it_may_change(corpus, tmp_path):
+    out = tmp_path / "run"
+    _finished_run(out, corpus, tmp_path)
+    r = _run("--out", out, "--resume", "--steps", 6, "--save-every", 3, "--no-progress")
+    assert r.exit_code == 0, r.output
+    options = json.loads((out / "run.json").read_text())["options"]
+    assert (options["steps"], options["save_every"]) == (6, 3)
+    r = _run("--out", out, "--resume", "--no-progress")  # continues with --steps 6, not the first run's 4
+    assert r.exit_code == 0, r.output
+    _assert_user_error(_run("--out", out, "--resume", "--lr", 1e-3), "lr changed since the run started")
+    assert json.loads((out / "run.json").read_text())["options"]["steps"] == 6  # a refused resume records nothing
+
+
+@pytest.mark.parametrize("what", ["notes", "file"])
+def test_resume_refuses_a_final_dir_it_could_not_replace_before_training(corpus, tmp_path, what):
+    out = tmp_path / "run"
+    kept = _finished_run(out, corpus, tmp_path)
+    ckpt = (out / "checkpoint" / "model.safetensors").read_bytes()
+    if what == "notes":
+        (out / "final" / "NOTES.md").write_text("mine")
+    else:
+        shutil.rmtree(out / "final")
+        (out / "final").write_text("mine")
+        kept = None
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6), f"{out / 'final'} is not a switchhead checkpoint")
+    assert (out / "checkpoint" / "model.safetensors").read_bytes() == ckpt  # no step was run
+    if kept is not None:
+        _assert_untouched(out, kept)
+        assert (out / "final" / "NOTES.md").read_text() == "mine"
+    else:
+        assert (out / "final").read_text() == "mine"
+
+
+def test_resume_where_the_checkpoint_is_a_file(corpus, tmp_path):
+    out = tmp_path / "run"
+    _finished_run(out, corpus, tmp_path)
+    shutil.rmtree(out / "checkpoint")
+    (out / "checkpoint").write_text("")
+    _assert_user_error(_run("--out", out, "--resume", "--steps", 6), f"{out / 'checkpoint'} is not a directory")
+
+
+def test_out_that_cannot_be_written_is_refused_before_any_work(corpus, tmp_path, monkeypatch):
+    out = tmp_path / "locked"
+    out.mkdir(mode=0o500)
+    real = fileio.tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):  # root may write anywhere: refuse the probe as the kernel refuses others
+        if Path(dir) == out:
+            raise PermissionError(13, "Permission denied")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(fileio.tempfile, "mkstemp", mkstemp)
+    _assert_user_error(_tiny(out, corpus, tmp_path), f"--out {out}: cannot write in {out}: Permission denied")
+    assert not (tmp_path / "cache").exists()  # neither a tokenizer nor token caches were made first
 
 
 def test_cache_dir_that_cannot_be_a_directory(corpus, tmp_path):

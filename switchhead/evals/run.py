@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError, is_int
 from switchhead.evals import data
-from switchhead.fileio import check_creatable, write_atomic
+from switchhead.fileio import check_creatable, require_dir, write_atomic
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 # Short names used by the CLI -> the lm-eval task or group names shipped in TASKS_DIR. Prefixed so that they
@@ -89,8 +89,8 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
         from switchhead.model.checkpoint import resolve_checkpoint
 
         ckpt = str(resolve_checkpoint(None))
-    if ckpt is not None and not Path(ckpt).is_dir():
-        raise SwitchheadError(f"checkpoint directory not found: {ckpt}")
+    if ckpt is not None:
+        require_dir(ckpt, "checkpoint directory")
     if device is not None:
         from switchhead.devices import resolve_device
 

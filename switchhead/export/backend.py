@@ -18,7 +18,7 @@ from torch import Tensor
 from switchhead.errors import SwitchheadError, brief
 from switchhead.export import exporter, schema
 from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE, layout
-from switchhead.fileio import read_utf8
+from switchhead.fileio import read_utf8, require_dir
 from switchhead.model.checkpoint import read_config, read_tokenizer
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
@@ -196,6 +196,5 @@ def _np(t: Tensor) -> np.ndarray:
 
 def load_backend(path: str | Path, providers: list[str] | None = None, threads: int | None = None) -> OnnxBackend:
     """The backend for ``switchhead generate --onnx DIR`` (the tokenizer is ``backend.tokenizer``)."""
-    if not Path(path).is_dir():
-        raise SwitchheadError(f"ONNX export directory not found: {path}")
+    require_dir(path, "ONNX export directory")
     return OnnxBackend(path, providers, threads)

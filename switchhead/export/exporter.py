@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from switchhead.errors import SwitchheadError, is_int
 from switchhead.export import schema
-from switchhead.fileio import atomic_directory, check_output_dir, holds_only
+from switchhead.fileio import atomic_directory, check_output_dir, holds_only, require_dir
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM, eval_mode
@@ -412,8 +412,7 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     builtin = model is None and ckpt is None
     if model is None:
         ckpt = resolve_checkpoint(ckpt)
-        if not Path(ckpt).is_dir():
-            raise ExportError(f"checkpoint directory not found: {ckpt}")
+        require_dir(ckpt, "checkpoint directory", ExportError)
         from switchhead.model.checkpoint import load
 
         model, tokenizer = load(ckpt)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from switchhead.devices import resolve_device
 from switchhead.errors import CheckpointError, ConfigError
-from switchhead.fileio import atomic_directory, check_output_dir, holds_only, read_utf8
+from switchhead.fileio import atomic_directory, check_output_dir, holds_only, read_utf8, require_dir
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import vocab_mismatch
@@ -59,7 +59,7 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
                               f"{type(tokenizer).__name__}")
     if tokenizer is not None and (problem := vocab_mismatch(tokenizer, model.config.vocab_size)):
         raise CheckpointError(f"the tokenizer {problem}")  # load would refuse the checkpoint
-    path = check_output_dir(path, _replaceable, "a switchhead checkpoint")
+    path = check_output_dir(path, is_saved_checkpoint, "a switchhead checkpoint")
     state = model.state_dict()
     # A submodule added to the model or a layer resized after construction would be saved, then refused by load.
     _check_weights(state, model.config, "cannot save: the model's state_dict")
@@ -84,7 +84,7 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     return path
 
 
-def _replaceable(path: Path) -> bool:
+def is_saved_checkpoint(path: Path) -> bool:
     """A checkpoint `save` wrote: its files only (a user's notes beside them would be lost), and a config.json
     of ours (other libraries' checkpoints also hold a config.json and a model.safetensors)."""
     if not holds_only(path, {CONFIG, WEIGHTS, TOKENIZER}, required={CONFIG, WEIGHTS}):
@@ -98,8 +98,7 @@ def _replaceable(path: Path) -> bool:
 
 def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {path}")
+    require_dir(path, "checkpoint directory", CheckpointError)
     if not (path / CONFIG).is_file():
         raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
     return read_config(path / CONFIG)

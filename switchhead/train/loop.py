@@ -430,6 +430,10 @@ def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack)
                 f"cannot resume: the checkpoint in {ckpt_dir} is at step {start_step}, past --steps {opts.steps} "
                 "(training cannot go back; pass --steps above it to continue)"
             )
+        if is_main and spec != old_spec:
+            # What may change on a resume (--steps, --save-every, --eval-data, ...) is recorded once the checkpoint
+            # has been read, so that a later plain --resume continues with it rather than with the first run's.
+            write_run_spec(out, spec)
         if "memory" in trainer_tensors:
             memory = trainer_tensors["memory"][:, my_lanes[0] : my_lanes[-1] + 1].to(device)
         if state.get("world_size") == world and f"rng.{rank}.cpu" in trainer_tensors:

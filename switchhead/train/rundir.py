@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from switchhead.errors import CheckpointError, SwitchheadError
-from switchhead.fileio import check_creatable, is_temporary, read_utf8, write_atomic
-from switchhead.model.checkpoint import CONFIG
+from switchhead.fileio import check_creatable, check_writable, is_temporary, read_utf8, write_atomic
+from switchhead.model.checkpoint import CONFIG, is_saved_checkpoint
 from switchhead.model.checkpoint import load as load_checkpoint
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
@@ -120,6 +120,8 @@ def _no_run_to_resume(out: Path) -> SwitchheadError:
 def _check_resumable(out: Path) -> None:
     """Refuse `--resume` unless OUT/checkpoint/ is there (a half-replaced one is pointed out, not repaired)."""
     ckpt_dir = out / CHECKPOINT_DIR
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise CheckpointError(f"cannot resume: {ckpt_dir} is not a directory")
     if ckpt_dir.is_dir():
         if not has_training_checkpoint(ckpt_dir):
             raise CheckpointError(
@@ -143,6 +145,8 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
     if out.exists() and not out.is_dir():
         raise SwitchheadError(f"--out {out} exists and is not a directory")
     check_creatable(out, "--out")
+    if out.is_dir():  # where the run writes, found out now rather than after the tokenizer and the token caches
+        check_writable(out, f"--out {out}")
     run_file = out / RUN_FILE
     # A run killed while writing leaves the temporaries of its writers: they are neither a user's files nor a
     # checkpoint, so they neither forbid the directory nor make a run that never saved one resumable.
@@ -172,6 +176,10 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
             "to start it over"
         )
     _check_resumable(out)
+    final = out / FINAL_DIR  # replaced at the end of the run: refused now rather than after the training
+    if final.exists() and (not final.is_dir() or (any(final.iterdir()) and not is_saved_checkpoint(final))):
+        raise SwitchheadError(f"cannot resume: {final} is not a switchhead checkpoint, and the run writes its "
+                              "model there when it ends; move it away first")
     return spec
 
 
