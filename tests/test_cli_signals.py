@@ -64,6 +64,28 @@ def test_ctrl_c_while_streaming_exits_130_with_one_line(ckpt, tmp_path):
     assert out.read_text().strip(), "the text streamed so far is kept"
 
 
+def test_ctrl_c_while_torch_loads_exits_130_with_one_line(ckpt):
+    # -X importtime reports each module as its import ends: the first of torch's says that torch is loading, which
+    # takes a second or more, so the interrupt lands there (before, `import switchhead` loaded torch ahead of the
+    # CLI's handler, and Python printed a traceback).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "switchhead", "generate", "the fox", "--ckpt",
+                             ckpt, "--max-new-tokens", "1000000"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("import time:") and line.split("|")[-1].strip().startswith("torch."):
+            break
+    else:
+        pytest.fail(f"torch was never imported: {''.join(seen)!r}")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    _stopped_cleanly(proc, signal.SIGINT, "".join(ln for ln in (*seen, *err.splitlines(True))
+                                                  if not ln.startswith("import time:")))
+
+
 def test_sigterm_while_writing_a_report_keeps_the_previous_one(ckpt, tmp_path):
     """Stopped while the figures are drawn into the temporary directory: that is removed, and the report from an
     earlier run stays as it was (SIGTERM's default action would leave the temporary behind; Ctrl-C takes the same
