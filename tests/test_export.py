@@ -352,6 +352,12 @@ def test_threads_reach_onnx_runtime(exported, threads):
         torch.set_num_threads(before)
 
 
+def test_generate_onnx_checks_the_device(exported):
+    """The export picks its own provider, but a mistyped --device is still an error, as for a PyTorch model."""
+    r = CliRunner().invoke(main, ["generate", "--onnx", str(exported), "--device", "banana", "a river"])
+    assert r.exit_code == 2 and "unknown device 'banana'" in r.output and r.output.count("\n") == 1, r.output
+
+
 # --- int8 ---------------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
 
     if ckpt is not None and onnx_dir is not None:
         raise SwitchheadError("give --ckpt or --onnx, not both")
+    # Checked also for an export, which picks its own provider: a mistyped device must not pass unnoticed.
+    device = resolve_device(device)
     if onnx_dir is not None:
         if not str(onnx_dir):  # not the built-in model: that one is PyTorch, and the user asked for ONNX
             raise SwitchheadError("--onnx needs a directory (an export of `switchhead export --onnx`)")
@@ -32,7 +34,7 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
         if backend.tokenizer is None:
             raise SwitchheadError(f"{onnx_dir} has no tokenizer.model; generation needs one to read text")
         return Generator(backend, backend.tokenizer)
-    model, tokenizer = load(ckpt, device=resolve_device(device))  # no ckpt: the built-in default model
+    model, tokenizer = load(ckpt, device=device)  # no ckpt: the built-in default model
     if tokenizer is None:
         raise SwitchheadError(f"checkpoint {ckpt} has no tokenizer.model; generation needs one to read text")
     return Generator(TorchBackend(model), tokenizer)
