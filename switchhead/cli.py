@@ -432,7 +432,8 @@ def inspect(ckpt, text, text_file, out, layers, heads, window, as_json, no_progr
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18 is supported).")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 or fp16 weights and activations.")
 @click.option("--quantize", help="int8: ONNX Runtime dynamic quantisation of the dense matmuls.")
-def export_(to_onnx, ckpt, out, opset, dtype, quantize):
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def export_(to_onnx, ckpt, out, opset, dtype, quantize, no_progress):
     """Write model.onnx, layout.json, config.json and tokenizer.model into a new directory (atomically).
 
     Run it with `switchhead generate --onnx DIR`; the format is described in docs/EXPORT.md."""
@@ -440,7 +441,7 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize):
 
     if not to_onnx:
         raise SwitchheadError("no export target given: pass --onnx (the only supported target)")
-    r = export(ckpt, out, dtype=dtype, quantize=quantize, opset=opset, progress=True)
+    r = export(ckpt, out, dtype=dtype, quantize=quantize, opset=opset, progress=not no_progress)
     click.echo(f"wrote {r.out} (model.onnx {r.model_bytes / 1e6:.1f} MB, {dtype}"
                + (f", {quantize}" if quantize else "") + f", opset {opset})")
 

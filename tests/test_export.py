@@ -22,7 +22,7 @@ import switchhead
 from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.export import ExportError, OnnxBackend, export, load_backend, schema
-from switchhead.export.exporter import check_config, export_model
+from switchhead.export.exporter import check_config, export_model, quantize_int8
 from switchhead.runtime import Generator, SamplingParams, TorchBackend, feed
 
 WORDS = "a river runs past old mills where children play and boats drift slowly toward the sea".split()
@@ -359,6 +359,29 @@ def test_generate_onnx_checks_the_device(exported):
 
 
 # --- int8 ---------------------------------------------------------------------------------------------
+
+
+def test_int8_on_a_full_disk_is_an_export_error(exported, tmp_path, monkeypatch):
+    """The quantiser's shape-inferred copy of the model, truncated by a full disk without an error, used to surface
+    as a protobuf traceback: too little room is refused before quantising, and a failure of the quantiser itself is
+    an ExportError (one line on the command line)."""
+    import onnxruntime.quantization
+
+    fp32, dst = exported / "model.onnx", tmp_path / "int8.onnx"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=fp32.stat().st_size))
+    with pytest.raises(ExportError, match=r"cannot quantise to int8: it needs about \d+ MiB free"):
+        quantize_int8(fp32, dst)
+    monkeypatch.undo()
+
+    def truncated_copy(src, dst, **kwargs):  # what the quantiser meets when the disk fills while it writes its copy
+        copy = tmp_path / "inferred.onnx"
+        copy.write_bytes(Path(src).read_bytes()[:100])
+        onnx.load(str(copy))
+
+    monkeypatch.setattr(onnxruntime.quantization, "quantize_dynamic", truncated_copy)
+    with pytest.raises(ExportError, match="int8 quantisation failed: DecodeError"):
+        quantize_int8(fp32, dst)
 
 
 def test_int8_quantisation(exported, model, tmp_path):

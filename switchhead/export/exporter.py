@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -362,15 +363,26 @@ def quantize_int8(src: Path, dst: Path) -> None:
     """ONNX Runtime dynamic quantisation: int8 weights for MatMul/Gather-free dense layers, fp32 activations."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    # The quantiser writes a shape-inferred copy of the fp32 model beside it, which a full disk truncates without an
+    # error (it then fails to parse the copy): room for that copy and the int8 model is checked first.
+    need, free = src.stat().st_size * 5 // 4, shutil.disk_usage(src.parent).free
+    if free < need:
+        raise ExportError(f"cannot quantise to int8: it needs about {need / 2**20:.0f} MiB free on the output's "
+                          f"disk, there are {free / 2**20:.0f} MiB")
     # The quantiser's shape inference has to know the custom operator too.
     schema.register_schema()
     # The quantiser logs a generic "consider pre-processing" warning on the root logger for every model.
     # reduce_range (7-bit weights): ONNX Runtime's u8 x s8 kernels on x86 CPUs without VNNI add pairs of
     # products in saturating 16-bit lanes, so full-range weights give CPU-dependent results, several percent of
     # perplexity off on small models; with 7 bits no sum can saturate and every CPU computes the graph exactly.
-    with _log_level(logging.getLogger(), logging.ERROR):
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
-                         reduce_range=True)
+    try:
+        with _log_level(logging.getLogger(), logging.ERROR):
+            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                             reduce_range=True)
+    except (OSError, MemoryError):
+        raise  # reported as such by the caller
+    except Exception as e:  # another library's failure, of whatever type: one line, not its traceback
+        raise ExportError(f"int8 quantisation failed: {type(e).__name__}: {e}") from None
     q = onnx.load(str(dst))
     if not any(f.domain == schema.DOMAIN for f in q.functions) and any(
             n.domain == schema.DOMAIN for n in q.graph.node):
