@@ -75,8 +75,18 @@ def _writing_stdout(e: OSError) -> bool:
     return found
 
 
+def _usage_error(e: click.UsageError):
+    """A mistyped option or value as one line, exit code 2 (click would add the usage line and a blank one)."""
+    if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # `switchhead` alone: the help
+        raise e
+    where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+    click.echo(f"Error: {e.format_message()}{where}", err=True)
+    sys.exit(2)
+
+
 class Group(click.Group):
-    """Turns user errors into one line on stderr and exit code 2 (no traceback). So is running out of memory, which
+    """Turns user errors (including mistyped options and values) into one line on stderr and exit code 2 (no
+    traceback). So is running out of memory, which
     a command's own checks cannot always foresee (activations grow with the batch and the prompt lengths), and
     standard output that cannot be written (a full disk). Ctrl-C and SIGTERM stop with exit code 130 or 143 and
     one line, after the command's cleanup ran; a reader that goes away (`| head`) ends it quietly (click: exit 1)."""
@@ -96,11 +106,19 @@ class Group(click.Group):
                 click.echo(f"Error: cannot write to standard output: {e.strerror or e}", err=True)
                 sys.exit(2)
 
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as e:
+            _usage_error(e)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:  # before click's own handling, which says "Aborted!" with exit code 1
             _stopped(signal.SIGINT)
+        except click.UsageError as e:
+            _usage_error(e)
         except SwitchheadError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)

@@ -281,6 +281,20 @@ def test_empty_paths_are_refused_not_read_as_the_current_directory(args, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--limit", "small"], "'--limit': 'small' is not a valid integer. (see 'main eval --help')"),
+    (["export", "--onnx", "--bogus"], "No such option '--bogus'"),
+    (["train", "--dtype", "f8"], "Invalid value for '--dtype': 'f8' is not one of"),
+    (["generate", "--max-new-tokens"], "Option '--max-new-tokens' requires an argument"),
+    (["nonsense"], "No such command 'nonsense'. (see 'main --help')"),
+    (["--bogus"], "No such option '--bogus'. (see 'main --help')"),
+])
+def test_mistyped_options_are_one_line(args, message):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and r.stdout == "" and r.stderr.startswith("Error: ") and message in r.stderr, r.output
+    assert r.stderr.count("\n") == 1, r.stderr  # no usage line and blank line before it
+
+
 def test_a_directory_is_not_a_config_file(tmp_path):
     with pytest.raises(ConfigError, match=f"{tmp_path} is a directory, not a config file"):
         resolve_config(str(tmp_path))
