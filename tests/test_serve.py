@@ -410,6 +410,17 @@ BAD = [
     ({"prompt": "the", "stream_options": {"include_usage": 1}}, "invalid_type", "stream_options.include_usage"),
     ({"prompt": "the", "echo": 0}, "invalid_type", "echo"),  # == False in Python, but not a boolean
     ({"prompt": "the", "best_of": True}, "invalid_type", "best_of"),
+    ({"prompt": "the", "model": 5}, "invalid_type", "model"),  # a malformed request, not an unknown model (404)
+    ({"prompt": "the", "model": ["tiny"]}, "invalid_type", "model"),
+    ({"prompt": "the", "user": 7}, "invalid_type", "user"),
+    # Unknown fields, misspelt ones among them, are refused rather than left at their defaults.
+    ({"prompt": "a", "max_tokens": 2, "foo": 1, "seed": 1}, "unsupported_parameter", "foo"),
+    ({"prompt": "the", "temprature": 0.5}, "unsupported_parameter", "temprature"),
+    ({"prompt": "the", "max_token": 3}, "unsupported_parameter", "max_token"),
+    (b'{"prompt": "the", "\\ud800": 1}', "unsupported_parameter", "'\\ud800'"),  # quoted: UTF-8 cannot carry it
+    # More completions than --max-batch 4 + --max-queue 16 (under the 64 of Limits): never admitted, so not a 503.
+    ({"prompt": "the", "n": 21}, "invalid_value", "n"),
+    ({"prompt": ["the"] * 21}, "invalid_value", "prompt"),
 ]
 
 
@@ -425,6 +436,61 @@ def test_bad_request_is_400_with_openai_error(url, body, code, param):
     assert err["message"]
 
 
+def test_unknown_field_is_400_naming_it(url, client, ref):
+    """A misspelt field would otherwise fall back to its default unnoticed; every documented field, OpenAI's `user`
+    and the extensions sent through the openai client's extra_body are still accepted."""
+    r = httpx.post(url + "/v1/completions", json={"prompt": "the", "temprature": 0.5, "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["code"], err["param"]) == ("unsupported_parameter", "temprature"), r.text
+    assert "'temprature'" in err["message"] and "did you mean 'temperature'" in err["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "the", **{f"x{i}": 1 for i in range(8)}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x0"
+    assert "'x0', 'x1', 'x2', 'x3', 'x4' and 3 more" in r.json()["error"]["message"]
+    every = {"model": MODEL, "prompt": "the fox", "max_tokens": 6, "temperature": 0.8, "top_p": 0.9,
+             "presence_penalty": 0.1, "frequency_penalty": 0.1, "logit_bias": {"7": 1}, "top_k": 40, "min_p": 0.01,
+             "repetition_penalty": 1.1, "stop": ["zzz"], "seed": 4, "n": 1, "stream": False,
+             "stream_options": None, "logprobs": None, "echo": False, "suffix": None, "best_of": 1, "user": "u-1"}
+    r = httpx.post(url + "/v1/completions", json=every, timeout=30)
+    assert r.status_code == 200, r.text
+    want = solo(ref, "the fox", max_new_tokens=6, temperature=0.8, top_p=0.9, presence_penalty=0.1,
+                frequency_penalty=0.1, logit_bias={7: 1}, top_k=40, min_p=0.01, repetition_penalty=1.1,
+                stop=["zzz"], seed=4).text
+    assert r.json()["choices"][0]["text"] == want
+    r = client.completions.create(model=MODEL, prompt="the fox", max_tokens=6, temperature=0.8, top_p=0.9, seed=4,
+                                  presence_penalty=0.1, frequency_penalty=0.1, logit_bias={"7": 1}, stop=["zzz"],
+                                  user="u-1", n=1, echo=False, best_of=1, extra_body={
+                                      "top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1})
+    assert r.choices[0].text == want
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="the", extra_body={"max_token": 3})
+    assert (e.value.body["code"], e.value.body["param"]) == ("unsupported_parameter", "max_token")
+
+
+@pytest.mark.parametrize("max_batch,max_queue,fits,too_many,param", [
+    (2, 4, {"n": 6}, {"n": 7}, "n"),
+    (1, 0, {}, {"n": 2}, "n"),
+    (1, 0, {}, {"prompt": ["Hi", "Ho"]}, "prompt"),
+])
+def test_request_past_batch_plus_queue_is_400_not_503(ckpt, max_batch, max_queue, fits, too_many, param):
+    """The queue refuses more than --max-batch + --max-queue sequences even on an idle server: a 503 with Retry-After
+    would have clients retry it forever."""
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    with serving(ckpt, max_batch=max_batch, max_queue=max_queue) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={**base, **too_many}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+        assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "invalid_value", param)
+        limit = max_batch + max_queue
+        assert f"limit of {limit} per request (--max-batch {max_batch} + --max-queue {max_queue})" in err["message"]
+        # A client that retries 503s (after Retry-After) gets the 400 at once, not an error after its retries.
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=3, timeout=30)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**{**base, **too_many})
+        # As many as fit are served, on an idle server.
+        r = httpx.post(url + "/v1/completions", json={**base, **fits}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == fits.get("n", 1), r.text
+
+
 def test_array_nested_as_deep_as_the_parser_allows_is_400(url):
     """Quoting such a value in the error message (repr) would recurse deeper than parsing it did."""
     with httpx.Client(base_url=url) as c:
@@ -438,6 +504,9 @@ def test_array_nested_as_deep_as_the_parser_allows_is_400(url):
 def test_other_errors_have_openai_shape(url, client):
     r = httpx.post(url + "/v1/completions", json={"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # Quoted in the message as a repr: a lone surrogate cannot be written in the UTF-8 reply as is.
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "\\ud800", "prompt": "x"}')
+    assert r.status_code == 404 and "'\\ud800'" in r.json()["error"]["message"]
     assert httpx.get(url + "/v1/nothing").json()["error"]["code"] == "not_found"
     r = httpx.post(url + "/v1/completions", content=b"{" + b" " * (2 << 20) + b"}")
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -191,6 +191,9 @@ def create_app(generator: Generator, config: ServeConfig | None = None) -> FastA
     async def completions(request: Request):
         req = P.parse_completion(await read_json(request), config.model_name, config.limits, generator.encode,
                                  generator.backend.config.vocab_size)
+        if len(req.prompts) * req.n > scheduler.capacity:  # never fits, however idle: a 503 would be retried forever
+            raise P.too_many(len(req.prompts), req.n, scheduler.capacity,
+                             f"--max-batch {config.max_batch} + --max-queue {config.max_queue}")
         relay = _Relay(asyncio.get_running_loop())
         deadline = time.monotonic() + config.timeout_s if config.timeout_s else None
         seqs = req.sequences()

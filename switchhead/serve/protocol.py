@@ -7,6 +7,7 @@ to users as is.
 
 from __future__ import annotations
 
+import difflib
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -18,6 +19,12 @@ from switchhead.runtime.sampling import SamplingParams, check_logit_bias, seed_o
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
+# Every field parse_completion reads, and OpenAI's `user` (an end-user id for OpenAI's abuse monitoring, which
+# clients may send as a matter of course: accepted and ignored). Any other field is refused, so that a misspelt
+# one ("temprature") is not silently replaced by its default.
+FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+          "logit_bias", "top_k", "min_p", "repetition_penalty", "stop", "seed", "n", "stream", "stream_options",
+          "logprobs", "echo", "suffix", "best_of", "user")
 
 
 class APIError(Exception):
@@ -35,6 +42,13 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def too_many(prompts: int, n: int, limit: int, why: str = "") -> APIError:
+    """prompts x n over `limit`: blamed on n, or on the prompt list when each prompt has one completion."""
+    why = f" ({why})" if why else ""
+    return bad(f"{prompts} prompt{'s' if prompts > 1 else ''} x n={n} is {prompts * n} completions, more than "
+               f"this server's limit of {limit} per request{why}", "n" if n > 1 else "prompt")
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,23 @@ def _show(value) -> str:
     return brief(value)
 
 
+def _param(key: str) -> str:
+    # A key is any JSON string: a megabyte long, or a lone surrogate that the UTF-8 reply could not carry.
+    return key if len(key) <= 60 and key.isprintable() else _show(key)
+
+
+def _refuse_unknown(body: dict) -> None:
+    unknown = [key for key in body if key not in FIELDS]
+    if not unknown:
+        return
+    named = ", ".join(_show(key) for key in unknown[:5])
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    close = difflib.get_close_matches(unknown[0][:60], FIELDS, 1) if len(unknown) == 1 else []
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise bad(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {named}{more}{hint}",
+              _param(unknown[0]), "unsupported_parameter")
+
+
 def _get(body: dict, name: str, kind: str, default, param: str | None = None):
     """body[name] if it is of `kind`, `default` if absent or null; `param` is the API's name for the field."""
     value = body.get(name)
@@ -123,9 +154,11 @@ def parse_completion(body, model_name: str, limits: Limits, encode, vocab_size: 
     model's (for logit_bias)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
-    model = body.get("model")
+    _refuse_unknown(body)
+    _get(body, "user", "str", None)  # OpenAI's end-user id: nothing to do with it here
+    model = _get(body, "model", "str", None)  # typed first: `model: 5` is a malformed request, not a 404
     if model is not None and model != model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
+        raise APIError(404, f"the model {_show(model)} does not exist; this server serves '{model_name}'",
                        "invalid_request_error", "model", "model_not_found")
     for name, kind, neutral in (("echo", "bool", False), ("suffix", "str", None), ("best_of", "int", 1)):
         # Typed first: `echo: 0` or `best_of: true` equal the neutral value in Python but are not valid.
@@ -161,8 +194,7 @@ def parse_completion(body, model_name: str, limits: Limits, encode, vocab_size: 
     if n < 1:
         raise bad(f"'n' must be >= 1, got {n}", "n")
     if n * len(prompts) > limits.max_sequences:
-        raise bad(f"{len(prompts)} prompts x n={n} is more than {limits.max_sequences} completions per request",
-                  "n")
+        raise too_many(len(prompts), n, limits.max_sequences)
     max_tokens = _get(body, "max_tokens", "int", 16)
     if max_tokens > limits.max_tokens:
         raise bad(f"'max_tokens' is {max_tokens}, more than this server's limit of {limits.max_tokens}",

@@ -146,9 +146,14 @@ class Scheduler:
             self._stop = True
             self._cond.notify_all()
 
+    @property
+    def capacity(self) -> int:
+        """The most sequences one `submit` can ever take (a row each and a full queue, on an idle server)."""
+        return self.max_batch + self.max_queue
+
     def submit(self, jobs: list[Job]) -> bool:
         """Queue all of `jobs` or none: False when more than `max_queue` sequences would be left waiting for a
-        row."""
+        row, always when there are more than `capacity` of them."""
         with self._cond:
             if self._stop:
                 for job in jobs:
