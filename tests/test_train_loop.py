@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tiny import WORDS, write_corpus
 
 import switchhead
-from switchhead.errors import SwitchheadError
+from switchhead.errors import CheckpointError, SwitchheadError
 from switchhead.model.config import PRESETS
 from switchhead.model.lm import TransformerLM
 from switchhead.train import TrainOptions, evaluate, train
@@ -276,6 +276,115 @@ def test_resume_needs_a_run_and_its_checkpoint(tmp_path):
     with pytest.raises(SwitchheadError, match="has no checkpoint/"):
         train(TrainOptions(out=str(out), resume=True, **{**opts, "steps": 5}))
     assert (out / "final" / "model.safetensors").read_bytes() == final and max(_losses(out)) == 3
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run that saved its checkpoint at step 4 of 4 (copied by each test that damages it), and its options."""
+    base = tmp_path_factory.mktemp("saved")
+    data = _corpus(base / "a.txt", n_lines=100)
+    opts = dict(config="tiny-switchhead", data=[str(data)], vocab_size=300, steps=4, batch_size=2, log_every=1,
+                save_every=2, cache_dir=str(base / "cache"), progress=False)
+    train(TrainOptions(out=str(base / "run"), **opts))
+    return base / "run", opts
+
+
+def _snapshot(out):
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("when", ["resume", "save"])
+def test_a_checkpoint_dir_holding_other_files_is_never_replaced(tmp_path, saved_run, monkeypatch, when):
+    # Every save replaces OUT/checkpoint as a whole: files a user put there would go with the old checkpoint.
+    run, opts = saved_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    notes, evals = out / "checkpoint" / "NOTES.md", out / "checkpoint" / "evals"
+    if when == "resume":  # refused before a single step is spent (each would be logged: log_every=1)
+        notes.write_text("notes")
+        evals.mkdir()
+        (evals / "res.json").write_text("1")
+        kept = _snapshot(out)
+        with pytest.raises(CheckpointError, match=r"checkpoint holds NOTES\.md, evals/, not part of a training "):
+            train(TrainOptions(out=str(out), resume=True, **{**opts, "steps": 6}))
+        assert _snapshot(out) == kept
+        return
+    from switchhead.train import loop
+    lr_at = loop.lr_at
+
+    def notes_at_step_5(step, *args):  # written while the run trains, after --resume looked
+        if step == 4:
+            notes.write_text("notes")
+        return lr_at(step, *args)
+
+    monkeypatch.setattr(loop, "lr_at", notes_at_step_5)
+    ckpt = _snapshot(out / "checkpoint")
+    with pytest.raises(CheckpointError, match="cannot save the checkpoint of step 6: .*holds NOTES.md"):
+        train(TrainOptions(out=str(out), resume=True, **{**opts, "steps": 6}))
+    assert _snapshot(out / "checkpoint") == {**ckpt, "NOTES.md": b"notes"}
+
+
+def _damage(ckpt, part, change):
+    """Rewrite one file of the training checkpoint `ckpt` (optimizer, trainer: its tensors; state: its JSON)."""
+    from safetensors.torch import load_file, save_file
+
+    if part == "state":
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        change(state)
+        (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    else:
+        tensors = load_file(ckpt / f"{part}.safetensors")
+        change(tensors)
+        save_file(tensors, ckpt / f"{part}.safetensors")
+
+
+def _nan(tensors, key):
+    tensors[key].view(-1)[0] = float("nan")
+
+
+_MALFORMED = {  # what resuming used to crash on (a traceback), in the first step or before it
+    "no exp_avg_sq": ("optimizer", lambda t: t.pop("state.3.exp_avg_sq"),
+                      r"optimizer\.safetensors is malformed: parameter 3 has no exp_avg_sq"),
+    "betas": ("state", lambda s: s["optimizer"]["param_groups"][0].update(betas="x"),
+              r"trainer_state\.json is malformed: optimizer\.param_groups\[0\]\.betas must be 2 numbers"),
+    "eps": ("state", lambda s: s["optimizer"]["param_groups"][0].update(eps=None),
+            r"trainer_state\.json is malformed: optimizer\.param_groups\[0\]\.eps must be a finite number"),
+    "losses": ("state", lambda s: s["log_interval_by_rank"][0].update(losses=["abc"]),
+               r"trainer_state\.json is malformed: 'log_interval_by_rank\[0\]\.losses' must be a list of numbers"),
+    "grad norms": ("state", lambda s: s["log_interval_by_rank"][0].update(grad_norms=["x"]),
+                   r"trainer_state\.json is malformed: 'log_interval_by_rank\[0\]\.grad_norms' must be a list"),
+}
+_CORRUPT = {  # what resuming used to accept, to report a diverged run or an error naming no file, or to run on
+    "NaN moment": ("optimizer", lambda t: _nan(t, "state.2.exp_avg"),
+                   r"optimizer\.safetensors is corrupt: tensor state\.2\.exp_avg has NaN"),
+    "NaN memory": ("trainer", lambda t: _nan(t, "memory"), r"trainer\.safetensors is corrupt: tensor memory has NaN"),
+    "int memory": ("trainer", lambda t: t.update(memory=t["memory"].long()),
+                   r"memory in .*trainer\.safetensors is int64 of shape \(2, 2, 16, 64\), expected float32"),
+    "short memory": ("trainer", lambda t: t.update(memory=t["memory"][:, :, :3].contiguous()),
+                     r"memory in .*trainer\.safetensors is float32 of shape \(2, 2, 3, 64\), expected float32 of "
+                     r"shape \(2, 2, 16, 64\)"),
+}
+
+
+def _assert_resume_refused(tmp_path, saved_run, part, change, message):
+    run, opts = saved_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    _damage(out / "checkpoint", part, change)
+    kept = _snapshot(out)
+    with pytest.raises(CheckpointError, match=r"cannot resume.*" + message):
+        train(TrainOptions(out=str(out), resume=True, **{**opts, "steps": 6}))
+    assert _snapshot(out) == kept
+
+
+@pytest.mark.parametrize("damage", _MALFORMED)
+def test_resume_refuses_a_malformed_training_state(tmp_path, saved_run, damage):
+    _assert_resume_refused(tmp_path, saved_run, *_MALFORMED[damage])
+
+
+@pytest.mark.parametrize("damage", _CORRUPT)
+def test_resume_refuses_non_finite_or_mismatched_training_state(tmp_path, saved_run, damage):
+    _assert_resume_refused(tmp_path, saved_run, *_CORRUPT[damage])
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])

@@ -29,6 +29,7 @@ from switchhead.model.lm import TransformerLM
 from switchhead.train.data import file_digest
 from switchhead.train.state import (
     TRAINER_STATE,
+    TRAINER_TENSORS,
     has_training_checkpoint,
     optimizer_from_flat,
     read_training_checkpoint,
@@ -275,12 +276,12 @@ def read_resume_state(
             f"cannot resume: {ckpt_dir / CONFIG} does not match the run's model config (checkpoint -> run: {diff})"
         )
     mem = trainer_tensors.get("memory")
-    if mem is not None and (
-        mem.dim() != 4 or (mem.shape[0], mem.shape[1], mem.shape[3]) != (config.n_layers, batch_size, config.d_model)
-    ):
+    # The previous chunk's layer inputs, as the model returned them: of its weights' dtype, chunk_len long.
+    want, dtype = (config.n_layers, batch_size, config.chunk_len, config.d_model), next(model.parameters()).dtype
+    if mem is not None and (tuple(mem.shape) != want or mem.dtype != dtype):
         raise CheckpointError(
-            f"cannot resume: the memory in {ckpt_dir} has shape {tuple(mem.shape)}, expected "
-            f"({config.n_layers}, {batch_size}, M, {config.d_model})"
+            f"cannot resume: the memory in {ckpt_dir / TRAINER_TENSORS} is {str(mem.dtype)[6:]} of shape "
+            f"{tuple(mem.shape)}, expected {str(dtype)[6:]} of shape {want}"
         )
     try:
         optimizer_from_flat(opt, opt_tensors, state["optimizer"])
