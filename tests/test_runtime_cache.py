@@ -225,3 +225,28 @@ def test_torch_backend_follows_a_model_moved_after_it_was_made(arch):
     m.double()
     with pytest.raises(SwitchheadError, match="start a new cache"):
         feed(be, old, rows)
+
+
+def test_decode_rejects_bad_ids_and_a_cache_outside_a_step():
+    m = _model("tiny-switchhead")
+    V = m.config.vocab_size
+    cache = XLCache(m.config, 2)
+    with torch.no_grad():
+        with pytest.raises(SwitchheadError, match=r"XLCache.update outside a step: call cache.begin"):
+            m.decode(torch.tensor([[1], [2]]), cache)
+        cache.begin([1, 1])
+        for ids, message in [(torch.tensor([[1], [V]]), f"token id {V} is outside the vocabulary"),
+                             (torch.tensor([[1], [-3]]), "token id -3 is outside"),
+                             (torch.tensor([[1.0], [2.0]]), "token ids must be an integer tensor"),
+                             (torch.tensor([1, 2]), r"input_ids must be \[batch, tokens\]"),
+                             ([[1], [2]], "input_ids must be a tensor"),
+                             (torch.tensor([[1]]), "planned for 2 rows of 1 tokens; got 1 rows of 1"),
+                             (torch.tensor([[1, 2], [3, 4]]), "planned for 2 rows of 1 tokens; got 2 rows of 2")]:
+            with pytest.raises(SwitchheadError, match=message):
+                m.decode(ids, cache)
+        # The refused calls left the step usable: it still gives the chunked forward's logits.
+        got = m.decode(torch.tensor([[5], [7]]), cache)
+        cache.commit()
+    torch.testing.assert_close(got, _reference(m, torch.tensor([[5], [7]])), atol=ATOL, rtol=0)
+    with pytest.raises(SwitchheadError, match="XLCache.commit outside a step"):
+        cache.commit()

@@ -18,7 +18,7 @@ import switchhead
 from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.errors import SwitchheadError
-from switchhead.runtime import Backend, Detokenizer, Generator, SamplingParams, StopText, TorchBackend
+from switchhead.runtime import Backend, Detokenizer, Generator, SamplingParams, StopText, TorchBackend, XLCache
 from switchhead.runtime.commands import run_generate
 
 
@@ -551,6 +551,22 @@ def test_library_calls_with_bad_arguments_are_one_clear_error(model, sp, gen, ck
         (lambda: switchhead.load(ckpt, device="meta"), "device 'meta' cannot run a model"),
         (lambda: switchhead.load(ckpt, dtype="float16"), "dtype must be a floating-point torch.dtype"),
         (lambda: switchhead.load(ckpt, dtype=torch.int64), "dtype must be a floating-point torch.dtype"),
+        (lambda: TorchBackend("tiny-switchhead"), "TorchBackend needs a TransformerLM"),
+        (lambda: Generator(TorchBackend(model), sp, prefill_step="4"), "prefill_step must be an integer >= 1"),
+        (lambda: Generator(TorchBackend(model), sp, prefill_step=0), "prefill_step must be an integer >= 1"),
+        (lambda: gen.generate(["the fox"], params, seeds=1), "seeds must be a list of integers, one per prompt"),
+        (lambda: gen.generate_ids(torch.tensor([3, 4]), params), "encoded must be rows of token ids"),
+        (lambda: gen.generate_ids(5, params), "encoded must be rows of token ids"),
+        (lambda: gen.generate_ids(["the fox"], params), "each row of encoded must be a list of token ids, got "
+                                                        "'the fox' (text goes to generate)"),
+        (lambda: gen.generate_ids([3, 4], params), "each row of encoded must be a list of token ids, got 3"),
+        (lambda: TorchBackend(model).new_cache("2"), "cache batch size must be an integer >= 1, got '2'"),
+        (lambda: TorchBackend(model).new_cache(True), "cache batch size must be an integer >= 1"),
+        (lambda: XLCache(model.config, 1, dtype="float32"), "cache dtype must be"),
+        (lambda: XLCache("tiny-switchhead", 1), "XLCache needs the model's ModelConfig"),
+        (lambda: Detokenizer(sp).push(V), f"token id {V} is outside the vocabulary [0, {V})"),
+        (lambda: Detokenizer(sp).push("a"), "token id 'a' is outside the vocabulary"),
+        (lambda: Detokenizer(sp).push(-1), "token id -1 is outside the vocabulary"),
     ]
     for call, message in cases:
         with pytest.raises(SwitchheadError, match=re.escape(message)):

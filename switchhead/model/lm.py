@@ -138,6 +138,10 @@ class TransformerLM(nn.Module):
 
     def decode(self, input_ids: Tensor, cache: KVCache) -> Tensor:
         """Logits for new tokens given a KV cache that holds everything before them (see `KVCache`)."""
+        check_batch(input_ids)
+        # Id values are checked where that costs no host sync; the engine has checked them on the host anyway.
+        values = input_ids.device.type == "cpu" and not torch.compiler.is_compiling()  # as in forward
+        check_ids(input_ids, self.config.vocab_size, values=values)
         x = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
             h = block.ln1(x)

@@ -60,6 +60,9 @@ class TorchBackend(Backend):
     """Runs `TransformerLM.decode` (the same block code as training) against the cache."""
 
     def __init__(self, model: TransformerLM):
+        if not isinstance(model, TransformerLM):
+            raise SwitchheadError(f"TorchBackend needs a TransformerLM (e.g. load_checkpoint(path)), got "
+                                  f"{type(model).__name__}")
         self.model = model  # left in its mode: each call runs in eval mode (no dropout) and restores it
         self.config = model.config
 

@@ -19,6 +19,7 @@ of the step; the remaining slots are padding: never written, never visible, thei
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,13 @@ class XLCache:
 
     def __init__(self, cfg: ModelConfig, batch: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
-        if batch < 1:
-            raise SwitchheadError(f"cache batch size must be >= 1, got {batch}")
+        if not isinstance(cfg, ModelConfig):
+            raise SwitchheadError(f"XLCache needs the model's ModelConfig, got {type(cfg).__name__}")
+        if not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1:
+            raise SwitchheadError(f"cache batch size must be an integer >= 1, got {batch!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise SwitchheadError(f"cache dtype must be a floating-point torch.dtype, got {dtype!r}")
+        batch = int(batch)
         self.cfg, self.batch, self.T = cfg, batch, cfg.chunk_len
         self.device = torch.device(device)
         shape = (batch, kv_heads(cfg), 2 * self.T, cfg.d_head)
@@ -135,6 +141,10 @@ class XLCache:
 
     def write(self, layer: int, k_BGtd: Tensor, v_BGtd: Tensor) -> None:
         """Store this step's keys/values of `layer` ([B, heads, t, d_head]); padding slots are dropped."""
+        p = self._planned("write")
+        if k_BGtd.shape[0] != self.batch or k_BGtd.shape[2] != p.pos_q.shape[1]:
+            raise SwitchheadError(f"this step was planned for {self.batch} rows of {p.pos_q.shape[1]} tokens; got "
+                                  f"{k_BGtd.shape[0]} rows of {k_BGtd.shape[2]}")
         kb, vb = self.keys[layer], self.values[layer]
         if self._uniform_slot is not None:
             s, t = self._uniform_slot, k_BGtd.shape[2]
@@ -150,13 +160,18 @@ class XLCache:
 
     def update(self, layer: int, k: Tensor, v: Tensor):
         """`KVCache` protocol of `TransformerLM.decode`: k, v are [B, t, heads, d_head]."""
+        p = self._planned("update")
         self.write(layer, k.transpose(1, 2), v.transpose(1, 2))
         kw, vw = self.window(layer)
-        p = self.plan
         return kw.transpose(1, 2), vw.transpose(1, 2), p.pos_q, p.pos_k, p.valid
 
     def commit(self) -> None:
-        p = self.plan
+        p = self._planned("commit")
         self.fill = self.fill + p.counts
         self.seen = self.seen + p.counts
         self.plan = None
+
+    def _planned(self, what: str) -> StepPlan:
+        if self.plan is None:
+            raise SwitchheadError(f"XLCache.{what} outside a step: call cache.begin(counts) first (see engine.feed)")
+        return self.plan

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ class Detokenizer:
         self.read = len(self.ids)  # ids before this are already released
 
     def push(self, token: int) -> str:
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or \
+                not 0 <= token < self.sp.get_piece_size():
+            raise SwitchheadError(f"token id {token!r} is outside the vocabulary [0, {self.sp.get_piece_size()})")
         self.ids.append(int(token))
         return self._release(final=False)
 
@@ -172,6 +176,11 @@ class Generation:
         }
 
 
+def _describe(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__} of shape {tuple(shape)}" if shape is not None else repr(value)[:60]
+
+
 def _rate(n: int, s: float) -> float | None:
     return round(n / s, 2) if s > 0 else None
 
@@ -204,6 +213,9 @@ class Generator:
         self.backend, self.sp = backend, tokenizer
         self.eos = tokenizer.eos_id()
         self.prime = [self.eos] if prime_eos and self.eos >= 0 else []
+        if prefill_step is not None and (not isinstance(prefill_step, numbers.Integral) or
+                                         isinstance(prefill_step, bool) or prefill_step < 1):
+            raise SwitchheadError(f"prefill_step must be an integer >= 1 or None, got {prefill_step!r}")
         self.prefill_step = prefill_step
         self.banned = _banned_ids(tokenizer, self.eos, backend.config.vocab_size)
         self._warm = False
@@ -243,7 +255,15 @@ class Generator:
                      prompts: Sequence[str] | None = None) -> list[Generation]:
         """`generate` for prompts given as token ids; an empty prompt starts a new document (needs EOS)."""
         # Token ids as tensors or arrays (a [B, t] tensor, rows of one) become plain ints, as check_ids expects.
-        encoded = [ids.tolist() if hasattr(ids, "tolist") else list(ids) for ids in encoded]
+        if getattr(encoded, "ndim", 2) != 2 or isinstance(encoded, (str, bytes)) or not isinstance(
+                encoded, Sequence) and not hasattr(encoded, "tolist"):
+            raise SwitchheadError(f"encoded must be rows of token ids (a list of lists or a [batch, tokens] "
+                                  f"tensor), got {_describe(encoded)}")
+        rows = [ids.tolist() if hasattr(ids, "tolist") else ids for ids in encoded]
+        if bad := next((r for r in rows if isinstance(r, (str, bytes)) or not isinstance(r, Sequence)), None):
+            raise SwitchheadError(f"each row of encoded must be a list of token ids, got {_describe(bad)} "
+                                  f"(text goes to generate)")
+        encoded = [list(r) for r in rows]
         if not encoded:
             return []
         check_ids(encoded, self.backend.config.vocab_size)
@@ -254,6 +274,8 @@ class Generator:
         prompts = prompts if prompts is not None else [self.sp.decode(ids) for ids in encoded]
         if seeds is None:
             seeds = [seed_or_random(params.seed)] * len(prompts)
+        elif not isinstance(seeds, Sequence) or isinstance(seeds, (str, bytes)):
+            raise SwitchheadError(f"seeds must be a list of integers, one per prompt, got {_describe(seeds)}")
         if len(seeds) != len(prompts):
             raise SwitchheadError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
         for s in seeds:
