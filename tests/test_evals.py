@@ -251,6 +251,9 @@ def test_cli_text_perplexity_same_for_checkpoint_and_onnx_export(env, tmp_path):
         # The file says what was evaluated, and how.
         assert results["config"]["model_args"] == f"{flag[2:]}={where}" and results["config"]["batch_size"] == 2
         assert results["switchhead"][flag[2:]] == str(where) and results["switchhead"]["unwrap"] is False
+        assert results["switchhead"]["device"] == "cpu"  # where it ran, though no --device was given
+        providers = results["switchhead"]["providers"]
+        assert providers is None if flag == "--ckpt" else providers[-1] == "CPUExecutionProvider"
     assert rows["--ckpt"]["tokens"] == rows["--onnx"]["tokens"] and rows["--ckpt"]["lanes"] == 2
     assert rows["--onnx"]["loss"] == pytest.approx(rows["--ckpt"]["loss"], rel=1e-5)
     # The text-only results file is an earlier results file: a later run may replace it.

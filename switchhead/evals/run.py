@@ -133,7 +133,10 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
                              batch_size=batch_size, limit=limit)
     results["switchhead"] = {"ckpt": None if ckpt is None else str(ckpt), "onnx": None if onnx is None else str(onnx),
                              "builtin_model": builtin,
-                             "batch_size": batch_size, "limit": limit, "unwrap": unwrap, "device": device}
+                             "batch_size": batch_size, "limit": limit, "unwrap": unwrap,
+                             # Where it ran, not what was asked for (no --device means the CPU).
+                             "device": str(lm.backend.device),
+                             "providers": getattr(lm.backend, "providers", None)}
     if output is not None:
         write_atomic(output, json.dumps(results, indent=2, default=_jsonable))
     return results
