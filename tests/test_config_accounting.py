@@ -56,6 +56,15 @@ def test_unknown_keys_and_bad_json():
         ModelConfig.from_dict({1: 2, "n_hedas": 3, None: 4, "k": 2})
     with pytest.raises(ConfigError, match="unknown config"):
         resolve_config("not-a-preset")
+    with pytest.raises(ConfigError, match="a config must be a preset name or a path to a config JSON file, got int"):
+        resolve_config(5)
+    assert resolve_config(PRESETS["tiny-moa"]) is PRESETS["tiny-moa"]
+    # Still a dict's KeyError, but one that says which names there are.
+    with pytest.raises(KeyError, match=r"^unknown preset 'tiny-switchheda'; presets: switchhead-47m, .*tiny-moa"):
+        PRESETS["tiny-switchheda"]
+    with pytest.raises(ConfigError):
+        PRESETS["tiny-switchheda"]
+    assert PRESETS.get("tiny-switchheda") is None and "tiny-switchheda" not in PRESETS
 
 
 def test_resolve_config_from_file(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,7 +179,18 @@ _TINY = dict(vocab_size=512, d_model=64, n_layers=2, d_ff=128, n_heads=2, d_head
 # Paper Table 9 rows, then the variants the paper compares, then tiny CPU models for tests.
 # d_head / d_ff of the derived baselines (marked "matched") were solved with `accounting.match_params`
 # against the SwitchHead model of the same size; tests check they still match within 2%.
-PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
+class UnknownPresetError(ConfigError, KeyError):
+    """`PRESETS[name]` of a name that is not one: a KeyError as for any dict, with the names in its message."""
+
+    __str__ = Exception.__str__  # KeyError's would quote the message
+
+
+class _Presets(dict):
+    def __missing__(self, name):
+        raise UnknownPresetError(f"unknown preset {name!r}; presets: {', '.join(self)}")
+
+
+PRESETS: dict[str, ModelConfig] = _Presets({c.name: c for c in [
     _preset("switchhead-47m", **_SH47, k=3),
     _preset("switchhead-47m-wt103", **_SH47, k=2),
     _preset("switchhead-47m-shared", **_SH47, k=3, shared_selection=True),
@@ -207,11 +219,15 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     _preset("tiny-moa", **{**_TINY, "n_heads": 2, "k": 2}, attention="moa"),
     _preset("tiny-switchhead-rope", **_TINY, positional="rope"),
     _preset("tiny-switchhead-rope-nomem", **_TINY, positional="rope", mem_chunks=0),
-]}
+]})
 
 
 def resolve_config(spec: str | Path) -> ModelConfig:
-    """A preset name or a path to a config JSON file."""
+    """A preset name or a path to a config JSON file (a ModelConfig is returned as it is)."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    if not isinstance(spec, (str, os.PathLike)) or isinstance(spec, bytes):
+        raise ConfigError(f"a config must be a preset name or a path to a config JSON file, got {type(spec).__name__}")
     spec = str(spec)
     if spec in PRESETS:
         return PRESETS[spec]
