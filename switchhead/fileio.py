@@ -17,6 +17,16 @@ from pathlib import Path
 from switchhead.errors import SwitchheadError
 
 
+def as_path(value: object, what: str, error: type[SwitchheadError] = SwitchheadError) -> Path:
+    """`value` as a Path when it is a non-empty str or Path (os.PathLike); else one error naming `what`."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise error(f"{what} must be a str or Path, got {type(value).__name__}")
+    path = Path(value)
+    if not str(value):
+        raise error(f"{what} is empty")
+    return path
+
+
 def _nearest_existing(path: str | Path) -> Path:
     """The closest ancestor of `path` that exists (the root at worst): where creating `path` starts."""
     return next(p for p in Path(os.path.abspath(path)).parents if p.exists())

@@ -206,6 +206,19 @@ def test_save_refuses_what_load_would_refuse(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+def test_paths_of_the_wrong_kind_are_one_clear_error():
+    from switchhead.model.checkpoint import is_checkpoint, load_config
+
+    lm = TransformerLM(PRESETS["tiny-switchhead"])
+    for call in (lambda: switchhead.save(None, lm), lambda: switchhead.save(123, lm), lambda: load_config(5),
+                 lambda: is_checkpoint(None), lambda: switchhead.save(b"ck", lm)):
+        with pytest.raises(CheckpointError,
+                           match=r"^a checkpoint path must be a str or Path, got (NoneType|int|bytes)$"):
+            call()
+    with pytest.raises(CheckpointError, match="^a checkpoint path is empty$"):
+        switchhead.save("", lm)
+
+
 _VARIANT = PRESETS["tiny-switchhead"].replace(d_model=20, d_head=8, n_experts=4, k=2, chunk_len=4, n_layers=2,
                                               vocab_size=31)
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from switchhead.devices import resolve_device
 from switchhead.errors import CheckpointError, ConfigError
-from switchhead.fileio import atomic_directory, check_output_dir, holds_only, read_utf8, require_dir
+from switchhead.fileio import as_path, atomic_directory, check_output_dir, holds_only, read_utf8, require_dir
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import vocab_mismatch
@@ -42,7 +42,7 @@ def resolve_checkpoint(path: str | Path | None) -> Path:
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    p = Path(path)
+    p = as_path(path, "a checkpoint path", CheckpointError)
     return (p / CONFIG).is_file() and (p / WEIGHTS).is_file()
 
 
@@ -59,7 +59,8 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
                               f"{type(tokenizer).__name__}")
     if tokenizer is not None and (problem := vocab_mismatch(tokenizer, model.config.vocab_size)):
         raise CheckpointError(f"the tokenizer {problem}")  # load would refuse the checkpoint
-    path = check_output_dir(path, is_saved_checkpoint, "a switchhead checkpoint")
+    path = check_output_dir(as_path(path, "a checkpoint path", CheckpointError), is_saved_checkpoint,
+                            "a switchhead checkpoint")
     state = model.state_dict()
     # A submodule added to the model or a layer resized after construction would be saved, then refused by load.
     _check_weights(state, model.config, "cannot save: the model's state_dict")
@@ -97,7 +98,7 @@ def is_saved_checkpoint(path: Path) -> bool:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    path = Path(path)
+    path = as_path(path, "a checkpoint path", CheckpointError)
     require_dir(path, "checkpoint directory", CheckpointError)
     if not (path / CONFIG).is_file():
         raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
