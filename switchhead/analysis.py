@@ -30,7 +30,7 @@ from tqdm import tqdm
 from switchhead.errors import SwitchheadError
 from switchhead.fileio import atomic_directory, check_output_dir, read_utf8
 from switchhead.model.lm import check_ids, eval_mode
-from switchhead.model.tokenizer import vocab_mismatch
+from switchhead.model.tokenizer import check_tokenizer
 from switchhead.runtime.sampling import check_utf8
 
 DEFAULT_WINDOW = 64
@@ -505,8 +505,7 @@ def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[
     cfg = model.config
     if tokenizer is None:
         raise SwitchheadError("the checkpoint has no tokenizer.model; inspect needs it to label the tokens")
-    if problem := vocab_mismatch(tokenizer, cfg.vocab_size):
-        raise SwitchheadError(f"the tokenizer {problem}")
+    check_tokenizer(tokenizer, cfg.vocab_size)
     if not isinstance(window, int) or window < 1:
         raise SwitchheadError(f"--window must be a positive integer, got {window!r}")
     if not isinstance(text, str):

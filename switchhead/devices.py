@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, brief, is_int
 
 # More CPU threads than this are refused: OpenMP crashed the process (a segfault, no message) when asked for
 # 100,000, and no machine this runs on has a use for more.
@@ -35,9 +35,14 @@ def set_threads(threads: int | None) -> None:
     """Use `threads` CPU threads for torch (None: leave torch's choice)."""
     if threads is None:
         return
-    if not 1 <= threads <= MAX_THREADS:
-        raise SwitchheadError(f"--threads must be between 1 and {MAX_THREADS}, got {threads}")
-    torch.set_num_threads(threads)
+    torch.set_num_threads(check_threads(threads))
+
+
+def check_threads(threads: int) -> int:
+    """`threads` if it is a usable thread count (ONNX Runtime hangs creating a million of them)."""
+    if not is_int(threads) or not 1 <= threads <= MAX_THREADS:
+        raise SwitchheadError(f"--threads must be an integer between 1 and {MAX_THREADS}, got {brief(threads)}")
+    return threads
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -23,7 +23,7 @@ from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.export import ExportError, OnnxBackend, export, load_backend, schema
 from switchhead.export.exporter import check_config, export_model, quantize_int8
-from switchhead.runtime import Generator, SamplingParams, TorchBackend, feed
+from switchhead.runtime import Generator, SamplingParams, TorchBackend, XLCache, feed
 
 WORDS = "a river runs past old mills where children play and boats drift slowly toward the sea".split()
 
@@ -278,6 +278,32 @@ def test_bad_ids_are_refused_as_by_the_torch_backend(exported, model):
                 b.logits(ids)
 
 
+def test_backend_arguments_of_the_wrong_kind_are_one_clear_error(exported, model):
+    backend, other = load_backend(exported), XLCache(model.config.replace(n_layers=1), 1)
+    cases = [
+        (lambda: load_backend(exported, threads=10**6), "--threads must be an integer between 1 and 1024"),
+        (lambda: load_backend(exported, threads="2"), "--threads must be an integer between 1 and 1024, got '2'"),
+        (lambda: load_backend(exported, threads=0), "--threads must be an integer between 1 and 1024, got 0"),
+        (lambda: load_backend(exported, providers=5), "providers must be a non-empty list"),
+        (lambda: load_backend(exported, providers="CPUExecutionProvider"), "providers must be a non-empty list"),
+        (lambda: load_backend(exported, providers=["cpu"]), "execution provider 'cpu' is not available"),
+        (lambda: load_backend(None), "the ONNX export directory must be a str or Path, got NoneType"),
+        (lambda: OnnxBackend(123), "the ONNX export directory must be a str or Path, got int"),
+        (lambda: backend.forward(torch.tensor([[1]]), None), "OnnxBackend.forward needs an XLCache inside a step"),
+        (lambda: backend.forward(torch.tensor([[1]]), backend.new_cache(1)), "needs an XLCache inside a step"),
+        (lambda: backend.logits(torch.tensor([[1.0, 2.0]])), "token ids must be an integer tensor, got torch.float32"),
+        (lambda: backend.logits(torch.tensor([[True]])), "token ids must be an integer tensor, got torch.bool"),
+        (lambda: backend.logits(torch.tensor([[1]]), other), "state is a cache of another model configuration"),
+    ]
+    for call, message in cases:
+        with pytest.raises(switchhead.SwitchheadError, match=re.escape(message)):
+            call()
+    # Providers given as ONNX Runtime takes them, with options, still load.
+    (logits, _), want = load_backend(exported, providers=[("CPUExecutionProvider", {})]).logits(
+        torch.tensor([[3, 4]])), backend.logits(torch.tensor([[3, 4]]))[0]
+    assert torch.equal(logits, want)
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_variant_parity_multi_chunk(variant_exports, name, batch):
@@ -477,16 +503,33 @@ def test_unsupported_config_is_named():
         check_config(cfg)
 
 
-def test_failed_export_leaves_nothing(tmp_path):
+def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     out = tmp_path / "broken"
     model = _model(PRESETS["tiny-transformer"].replace(n_layers=1, d_model=32, d_head=8))  # the cheapest export
 
-    class NotATokenizer:
-        pass
+    def fail(*args, **kwargs):
+        raise RuntimeError("the checker failed")
 
-    with pytest.raises(AttributeError):
-        export(None, out, model=model, tokenizer=NotATokenizer())
+    monkeypatch.setattr(onnx.checker, "check_model", fail)  # after the model file is written into the temporary
+    with pytest.raises(RuntimeError, match="the checker failed"):
+        export(None, out, model=model)
     assert _no_output(out)
+
+
+def test_python_api_refuses_arguments_of_the_wrong_kind(model, ckpt, sp, tmp_path):
+    cases = [
+        (lambda: export(None, tmp_path / "x", model=model, tokenizer="tokenizer.model"),
+         "the tokenizer must be a sentencepiece.SentencePieceProcessor"),
+        (lambda: export(ckpt, tmp_path / "x", tokenizer=sp), "tokenizer= goes with model="),
+        (lambda: export(None, tmp_path / "x", model=model, dtype=["fp32"]), "unsupported --dtype ['fp32']"),
+        (lambda: export(None, tmp_path / "x", model=model, quantize=8), "unsupported --quantize 8"),
+        (lambda: export(None, 5, model=model), "the export directory must be a str or Path, got int"),
+        (lambda: export_model("tiny-switchhead"), "export needs a TransformerLM, got str"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ExportError, match=re.escape(message)):
+            call()
+    assert not (tmp_path / "x").exists()
 
 
 def test_replaces_only_an_earlier_export(model, exported, tmp_path):

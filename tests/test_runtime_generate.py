@@ -405,8 +405,8 @@ def _bad_ckpts(tmp_path, model):
     (["hi", "--ckpt", "BAD:corrupt"], "corrupt"),
     (["hi", "--ckpt", "BAD:no tokenizer"], "tokenizer"),
     (["hi", "--ckpt", "BAD:nan"], "has NaN or infinite values"),
-    (["hi", "--ckpt", "CKPT", "--threads", "0"], "--threads must be between 1 and 1024, got 0"),
-    (["hi", "--ckpt", "CKPT", "--threads", "100000"], "--threads must be between 1 and 1024, got 100000"),
+    (["hi", "--ckpt", "CKPT", "--threads", "0"], "--threads must be an integer between 1 and 1024, got 0"),
+    (["hi", "--ckpt", "CKPT", "--threads", "100000"], "--threads must be an integer between 1 and 1024, got 100000"),
     (["hi", "--ckpt", "CKPT", "--device", "meta"], "device 'meta' cannot run a model; use cpu, cuda or mps"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(ckpt, tmp_path, model, args, message):
@@ -526,6 +526,8 @@ def test_library_calls_with_bad_arguments_are_one_clear_error(model, sp, gen, ck
         (lambda: Generator(TorchBackend(model), other), "pieces but the model's vocab_size"),
         (lambda: Generator(model, sp), "Generator needs a Backend"),
         (lambda: Generator(TorchBackend(model), None), "needs the model's SentencePiece tokenizer"),
+        (lambda: Generator(TorchBackend(model), "tokenizer.model"),
+         "the tokenizer must be a sentencepiece.SentencePieceProcessor (e.g. what load returns), got str"),
         (lambda: gen.generate([None], params), "a prompt must be a string, got NoneType"),
         (lambda: gen.generate(["the fox"], None), "params must be SamplingParams"),
         (lambda: gen.generate(None, params), "prompts must be a string or a list of strings, got NoneType"),

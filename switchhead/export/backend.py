@@ -15,10 +15,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from switchhead.devices import check_threads
 from switchhead.errors import SwitchheadError, brief
 from switchhead.export import exporter, schema
 from switchhead.export.exporter import CONFIG_FILE, FORMAT, LAYOUT_FILE, MODEL_FILE, TOKENIZER_FILE, layout
-from switchhead.fileio import read_utf8, require_dir
+from switchhead.fileio import as_path, read_utf8, require_dir
 from switchhead.model.checkpoint import read_config, read_tokenizer
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
@@ -55,7 +56,10 @@ class OnnxBackend(Backend):
     """Runs an export directory (see docs/EXPORT.md) with ONNX Runtime: CUDA EP when available, else CPU."""
 
     def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None):
-        path = Path(path)
+        path = as_path(path, "the ONNX export directory")
+        if threads is not None:
+            check_threads(threads)
+        _check_providers(providers)
         if not (path / LAYOUT_FILE).is_file() or not (path / MODEL_FILE).is_file():
             raise SwitchheadError(f"{path} is not a switchhead ONNX export (needs {MODEL_FILE} and {LAYOUT_FILE})")
         self.layout = _json_object(path / LAYOUT_FILE)
@@ -108,7 +112,10 @@ class OnnxBackend(Backend):
         return self.config.vocab_size
 
     def forward(self, ids: Tensor, cache: XLCache) -> Tensor:
-        plan = cache.plan
+        plan = cache.plan if isinstance(cache, XLCache) else None
+        if plan is None:
+            raise SwitchheadError("OnnxBackend.forward needs an XLCache inside a step: call cache.begin(counts) "
+                                  "first (see engine.feed)")
         feeds = {
             "input_ids": _np(ids.long()),
             "position_ids": _np(plan.pos_q),
@@ -196,5 +203,22 @@ def _np(t: Tensor) -> np.ndarray:
 
 def load_backend(path: str | Path, providers: list[str] | None = None, threads: int | None = None) -> OnnxBackend:
     """The backend for ``switchhead generate --onnx DIR`` (the tokenizer is ``backend.tokenizer``)."""
-    require_dir(path, "ONNX export directory")
+    require_dir(as_path(path, "the ONNX export directory"), "ONNX export directory")
     return OnnxBackend(path, providers, threads)
+
+
+def _check_providers(providers: object) -> None:
+    """None or known execution providers: ONNX Runtime itself falls back to the CPU for a misspelt or
+    unavailable one, after printing a banner, so a user asking for CUDA could silently get the CPU."""
+    if providers is None:
+        return
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if isinstance(providers, str) or not isinstance(providers, (list, tuple)) or not providers:
+        raise SwitchheadError(f"providers must be a non-empty list of ONNX Runtime execution providers (available "
+                              f"here: {', '.join(available)}), got {brief(providers)}")
+    names = [p[0] if isinstance(p, tuple) and p else p for p in providers]  # (name, options) pairs too
+    if bad := next((p for p in names if not isinstance(p, str) or p not in available), None):
+        raise SwitchheadError(f"execution provider {brief(bad)} is not available in this onnxruntime (available: "
+                              f"{', '.join(available)})")

@@ -27,13 +27,13 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from switchhead.errors import SwitchheadError, is_int
+from switchhead.errors import SwitchheadError, brief, is_int
 from switchhead.export import schema
-from switchhead.fileio import atomic_directory, check_output_dir, holds_only, require_dir
+from switchhead.fileio import as_path, atomic_directory, check_output_dir, holds_only, require_dir
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM, eval_mode
-from switchhead.model.tokenizer import vocab_mismatch
+from switchhead.model.tokenizer import check_tokenizer
 
 MODEL_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.onnx", "layout.json", "config.json", "tokenizer.model"
 FORMAT = "switchhead-onnx/1"
@@ -125,10 +125,10 @@ def _table(table: Tensor):
 
 def check_options(dtype: str = "fp32", quantize: str | None = None, opset: int = 18) -> None:
     """Raise ExportError naming the unsupported option before any work is done."""
-    if dtype not in DTYPES:
-        raise ExportError(f"unsupported --dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    if quantize is not None and quantize not in QUANTIZE:
-        raise ExportError(f"unsupported --quantize {quantize!r}; supported: {', '.join(QUANTIZE)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ExportError(f"unsupported --dtype {brief(dtype)}; supported: {', '.join(DTYPES)}")
+    if quantize is not None and (not isinstance(quantize, str) or quantize not in QUANTIZE):
+        raise ExportError(f"unsupported --quantize {brief(quantize)}; supported: {', '.join(QUANTIZE)}")
     if quantize is not None and dtype != "fp32":
         raise ExportError(f"--quantize {quantize} needs --dtype fp32 (dynamic quantisation starts from fp32 "
                           f"weights), got --dtype {dtype}")
@@ -178,6 +178,8 @@ def _dynamic_shapes(cfg: ModelConfig):
 
 def export_model(model: TransformerLM, dtype: str = "fp32", opset: int = 18) -> onnx.ModelProto:
     """The decode-step graph of `model` with the expert-projection function attached (not yet quantised)."""
+    if not isinstance(model, TransformerLM):
+        raise ExportError(f"export needs a TransformerLM, got {type(model).__name__}")
     cfg = model.config
     check_options(dtype, None, opset)
     check_config(cfg)
@@ -422,6 +424,11 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
     if model is not None and ckpt is not None:
         raise ExportError("give a checkpoint directory or a model, not both")
     builtin = model is None and ckpt is None
+    if model is None and tokenizer is not None:
+        # The checkpoint's own tokenizer is what its ids mean: another one would be exported silently wrong.
+        raise ExportError("tokenizer= goes with model=; a checkpoint is exported with its own tokenizer")
+    if out is not None:
+        out = as_path(out, "the export directory", ExportError)
     if model is None:
         ckpt = resolve_checkpoint(ckpt)
         require_dir(ckpt, "checkpoint directory", ExportError)
@@ -432,8 +439,8 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
         raise ExportError(f"export needs a TransformerLM, got {type(model).__name__}")
     cfg = model.config
     check_config(cfg)
-    if tokenizer is not None and (problem := vocab_mismatch(tokenizer, cfg.vocab_size)):
-        raise ExportError(f"the tokenizer {problem}")  # load_backend would refuse the export
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg.vocab_size, error=ExportError)  # load_backend would refuse the export
     if out is None:
         # Never write next to the built-in model: that is inside the installed package.
         if builtin:

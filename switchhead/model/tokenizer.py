@@ -53,6 +53,16 @@ def unwrap_paragraphs(text: str) -> str:
     return "\n\n".join(p for p in paragraphs if p)
 
 
+def check_tokenizer(sp: object, vocab_size: int, what: str = "the tokenizer",
+                    error: type[SwitchheadError] = SwitchheadError) -> None:
+    """A `SwitchheadError` unless `sp` is a loaded SentencePiece model that fits a vocabulary of `vocab_size`."""
+    if not isinstance(sp, spm.SentencePieceProcessor):
+        raise error(f"{what} must be a sentencepiece.SentencePieceProcessor (e.g. what load returns), got "
+                    f"{type(sp).__name__}")
+    if problem := vocab_mismatch(sp, vocab_size):
+        raise error(f"{what} {problem}")
+
+
 def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | None:
     """Why `sp` cannot go with a model of `vocab_size` outputs (its ids would index the wrong embedding rows), as
     the end of a sentence naming the tokenizer; None if it can."""

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.config import ModelConfig
-from switchhead.model.lm import TransformerLM, check_batch, eval_mode
+from switchhead.model.lm import TransformerLM, check_batch, check_ids, eval_mode
 from switchhead.runtime.cache import XLCache
 
 
@@ -50,8 +50,12 @@ class Backend(ABC):
         from switchhead.runtime.engine import feed  # the engine builds on backends, not the other way
 
         check_batch(ids)
+        check_ids(ids, self.config.vocab_size, values=False)  # a float tensor's ids would be reported as values
         if state is not None and not isinstance(state, XLCache):
             raise SwitchheadError(f"state must be what this backend's logits returned, got {type(state).__name__}")
+        if state is not None and state.cfg != self.config:
+            raise SwitchheadError("state is a cache of another model configuration; pass what this backend's "
+                                  "logits returned")
         cache = state if state is not None else self.new_cache(ids.shape[0])
         return torch.stack(feed(self, cache, ids.tolist(), keep="all")), cache
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from switchhead.errors import SwitchheadError
 from switchhead.model.lm import check_ids
-from switchhead.model.tokenizer import vocab_mismatch
+from switchhead.model.tokenizer import check_tokenizer
 from switchhead.runtime.backends import Backend
 from switchhead.runtime.cache import XLCache
 from switchhead.runtime.sampling import SamplingParams, TokenHistory, check_seed, check_utf8, choose, seed_or_random
@@ -208,8 +208,7 @@ class Generator:
             raise SwitchheadError(f"Generator needs a Backend (e.g. TorchBackend(model)), got {type(backend).__name__}")
         if tokenizer is None:
             raise SwitchheadError("Generator needs the model's SentencePiece tokenizer (its tokenizer.model)")
-        if problem := vocab_mismatch(tokenizer, backend.config.vocab_size):
-            raise SwitchheadError(f"the tokenizer {problem}")
+        check_tokenizer(tokenizer, backend.config.vocab_size)
         self.backend, self.sp = backend, tokenizer
         self.eos = tokenizer.eos_id()
         self.prime = [self.eos] if prime_eos and self.eos >= 0 else []
