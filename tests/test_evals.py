@@ -454,6 +454,167 @@ def test_model_argument_must_be_a_model_or_backend(env):
     assert SwitchheadLM(model=TorchBackend(model), tokenizer=sp, progress=False).backend.model is model
 
 
+def one_line_error(message: str, fn, *args, **kwargs) -> None:
+    with pytest.raises(SwitchheadError, match=re.escape(message)) as e:
+        fn(*args, **kwargs)
+    assert "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tokenizer": "tokenizer.model"}, "the tokenizer (tokenizer=) must be a sentencepiece.SentencePieceProcessor"),
+    ({"batch_size": 2.7}, "the batch size (batch_size) must be a positive integer or 'auto', got 2.7"),
+    ({"batch_size": True}, "the batch size (batch_size) must be a positive integer or 'auto', got True"),
+    ({"batch_size": [4]}, "the batch size (batch_size) must be a positive integer or 'auto', got [4]"),
+    ({"batch_size": "four"}, "the batch size (batch_size) must be a positive integer or 'auto', got 'four'"),
+    ({"batch_size": 0}, "the batch size (batch_size) must be a positive integer or 'auto', got 0"),
+    ({"max_gen_toks": "abc"}, "max_gen_toks must be an integer >= 1 (tokens to generate), got 'abc'"),
+    ({"max_gen_toks": None}, "max_gen_toks must be an integer >= 1 (tokens to generate), got None"),
+    ({"max_gen_toks": 0}, "max_gen_toks must be an integer >= 1 (tokens to generate), got 0"),
+    ({"max_gen_toks": -5}, "max_gen_toks must be an integer >= 1 (tokens to generate), got -5"),
+    ({"progress": "off"}, "progress must be True or False, got 'off'"),
+    ({"threads": "2"}, "threads must be an integer between 1 and"),
+    ({"threads": 0}, "threads must be an integer between 1 and"),
+])
+def test_lm_bad_arguments(env, kwargs, message):
+    from switchhead.evals import SwitchheadLM
+
+    _, _, model, sp = env
+    one_line_error(message, SwitchheadLM, **{"model": model, "tokenizer": sp, **kwargs})
+
+
+def test_lm_batch_size_as_lm_eval_passes_it(env):
+    # lm-eval's --batch_size reaches the model as typed: digits or auto[:N].
+    from switchhead.evals import SwitchheadLM
+    from switchhead.evals.lm import DEFAULT_BATCH_SIZE
+
+    _, _, model, sp = env
+    for given, want in (("8", 8), (" 3 ", 3), ("auto", DEFAULT_BATCH_SIZE), ("auto:4", DEFAULT_BATCH_SIZE),
+                        (None, DEFAULT_BATCH_SIZE), (5, 5)):
+        assert SwitchheadLM(model=model, tokenizer=sp, batch_size=given, progress=False).batch_size == want
+
+
+def test_evaluate_refuses_a_tokenizer_that_is_not_one(env, tmp_path):
+    _, _, model, _ = env
+    path = tmp_path / "held.txt"
+    path.write_text(passage(random.Random(1), 2))
+    one_line_error("the tokenizer (tokenizer=) must be a sentencepiece.SentencePieceProcessor", evaluate, None,
+                   texts=[path], model=model, tokenizer=str(path), progress=False)
+
+
+def test_model_without_a_device_stays_where_it_is(sp, monkeypatch):
+    """Module.to moves the caller's model in place: a model on a GPU would silently end up on the CPU."""
+    from switchhead.evals import SwitchheadLM
+
+    config = PRESETS["tiny-switchhead"].replace(vocab_size=sp.get_piece_size())
+    with torch.device("meta"):  # stands for a model on another device, e.g. a GPU: .to("cpu") would fail on it
+        meta = TransformerLM(config)
+    lm = SwitchheadLM(model=meta, tokenizer=sp, progress=False)
+    assert lm.backend.model is meta and lm.backend.device.type == "meta"
+
+    model, moved = TransformerLM(config), []
+    monkeypatch.setattr(model, "to", lambda *args, **kwargs: moved.append(args) or model, raising=False)
+    SwitchheadLM(model=model, tokenizer=sp, progress=False)
+    assert moved == []
+    SwitchheadLM(model=model, tokenizer=sp, device="cpu", progress=False)  # an explicit device is honoured
+    assert moved == [("cpu",)]
+
+
+@pytest.mark.parametrize("method, request_args, message", [
+    ("loglikelihood", ("a", None), "loglikelihood: request 0's continuation must be a string, got NoneType"),
+    ("loglikelihood", ("a", 3), "loglikelihood: request 0's continuation must be a string, got int"),
+    ("loglikelihood", (b"a", "b"), "loglikelihood: request 0's context must be a string, got bytes"),
+    ("loglikelihood", ("a",), "loglikelihood: request 0 must have the arguments (context, continuation), got 1"),
+    ("loglikelihood", ("a", "b", "c"), "loglikelihood: request 0 must have the arguments (context, continuation)"),
+    ("loglikelihood", None, "loglikelihood: requests must be lm_eval Instance objects (with .args), request 0 is "
+                            "a tuple"),
+    ("loglikelihood_rolling", (3,), "loglikelihood_rolling: request 0's text must be a string, got int"),
+    ("loglikelihood_rolling", ("a", "b"), "loglikelihood_rolling: request 0 must have the arguments (text), got 2"),
+    ("generate_until", (None, {}), "generate_until: request 0's context must be a string, got NoneType"),
+    ("generate_until", ("a", {"until": 5}), "generate_until: request 0's until must be a string or a list of "
+                                            "strings, got 5"),
+    ("generate_until", ("a", {"until": [None, "x"]}), "until must be a string or a list of strings, got [None, "),
+    ("generate_until", ("a", ["x"]), "generate_until: request 0's generation kwargs must be a dict"),
+    ("generate_until", ("a", "x"), "generate_until: request 0's generation kwargs must be a dict"),
+    ("generate_until", ("a", {"max_gen_toks": 0}), "generate_until: request 0's max_gen_toks must be an integer "
+                                                   ">= 1 (tokens to generate), got 0"),
+    ("generate_until", ("a", {"max_gen_toks": "abc"}), "request 0's max_gen_toks must be an integer >= 1"),
+    ("generate_until", ("a", {"max_gen_toks": 2.5}), "request 0's max_gen_toks must be an integer >= 1"),
+])
+def test_malformed_requests_are_clear_errors(lm, method, request_args, message):
+    requests = [("tom saw", " the dog")] if request_args is None else [Req(*request_args)]
+    one_line_error(message, getattr(lm, method), requests)
+
+
+def test_generate_until_takes_one_stop_string_and_skips_empty_ones(lm):
+    context = "mary saw the"
+    (free,) = lm.generate_until([Req(context, {"until": [], "max_gen_toks": 6})])
+    stop = free.split()[0]
+    assert lm.generate_until([Req(context, {"until": stop, "max_gen_toks": 6}),
+                              Req(context, {"until": ["", stop], "max_gen_toks": 6}),
+                              Req(context, {"until": None, "max_gen_toks": 6})]) == [
+        free[:free.index(stop)], free[:free.index(stop)], free]
+
+
+@pytest.mark.parametrize("sequence, message", [
+    (([1, 2, 999], 1), "score: sequence 0 has token id 999, outside the model's vocabulary (0 to "),
+    (([1, -3, 2], 1), "score: sequence 0 has token id -3, outside the model's vocabulary (0 to "),
+    (([1, 2, 3], 0), "score: sequence 0's n_context must be an integer >= 1 (a token to predict from), got 0"),
+    (([1, 2, 3], 1.5), "score: sequence 0's n_context must be an integer >= 1"),
+    (([1, 2, 3], True), "score: sequence 0's n_context must be an integer >= 1"),
+    ((["a", "b"], 1), "score: sequence 0's tokens must be a list of integer token ids, got ['a', 'b']"),
+    (([1.5, 2.0], 1), "score: sequence 0's tokens must be a list of integer token ids"),
+    (("ab", 1), "score: sequence 0's tokens must be a list of integer token ids"),
+    ([1, 2, 3], "score: sequence 0 must be a (token ids, n_context) pair, got [1, 2, 3]"),
+])
+def test_score_refuses_bad_sequences(lm, sequence, message):
+    one_line_error(message.replace("sequence 0", "sequence 1"), lm.score, [([1, 2, 3], 1), sequence])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"backend": "MODEL"}, "backend must be a switchhead.runtime Backend (wrap a model in TorchBackend(model)), "
+                           "got TransformerLM"),
+    ({"tokenizer": "x"}, "tokenizer must be a sentencepiece.SentencePieceProcessor"),
+    ({"tokenizer": None}, "tokenizer must be a sentencepiece.SentencePieceProcessor"),
+    ({"lanes": 2.5}, "lanes must be an integer >= 1, got 2.5"),
+    ({"lanes": "2"}, "lanes must be an integer >= 1, got '2'"),
+    ({"lanes": 0}, "lanes must be an integer >= 1, got 0"),
+    ({"lanes": -1}, "lanes must be an integer >= 1, got -1"),
+    ({"paths": "HELD+3"}, "paths[1] must be a str or Path, got int"),
+    ({"paths": 3}, "paths must be a file path (str or Path) or a list of them, got int"),
+    ({"paths": "EMPTY"}, "empty.txt is empty: no tokens to score"),
+])
+def test_text_perplexity_bad_arguments(env, tmp_path, change, message):
+    from switchhead.evals.text import text_perplexity
+    from switchhead.runtime import TorchBackend
+
+    _, _, model, sp = env
+    held, empty = tmp_path / "held.txt", tmp_path / "empty.txt"
+    held.write_text(passage(random.Random(2), 2))
+    empty.write_text("")
+    subst = {"MODEL": model, "HELD+3": [held, 3], "EMPTY": [empty]}
+    args = {"backend": TorchBackend(model), "tokenizer": sp, "paths": [held], "lanes": 2}
+    args |= {k: subst.get(v, v) if isinstance(v, str) else v for k, v in change.items()}
+    one_line_error(message, text_perplexity, args["backend"], args["tokenizer"], args["paths"], args["lanes"],
+                   progress=False)
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_one_text_path_is_one_file(env, tmp_path, monkeypatch, relative):
+    """A str or Path, not a sequence of one-character paths ("/" would be the whole file system)."""
+    from switchhead.evals.text import text_perplexity
+    from switchhead.runtime import TorchBackend
+
+    _, _, model, sp = env
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "held.txt").write_text(passage(random.Random(3), 3))
+    path = "held.txt" if relative else tmp_path / "held.txt"
+    (row,) = text_perplexity(TorchBackend(model), sp, path, 2, progress=False)
+    assert row == text_perplexity(TorchBackend(model), sp, [tmp_path / "held.txt"], 2, progress=False)[0] | {
+        "file": str(path)}
+    (got,) = evaluate(None, texts=path, model=model, tokenizer=sp, batch_size=2, progress=False)["text"]
+    assert got["file"] == str(path) and got["tokens"] == row["tokens"]
+
+
 # --- CLI ----------------------------------------------------------------------------------------------------
 
 def run_cli(*args):
@@ -538,10 +699,25 @@ def test_cli_offline_without_data_dir_fails_fast(env, monkeypatch):
     ({"tasks": ["lambada", 3]}, "tasks must be a string"),
     ({"tasks": "lambada", "limit": "a"}, "--limit must be a positive number"),
     ({"tasks": "lambada", "limit": True}, "--limit must be a positive number"),
+    ({"tasks": None, "texts": ["a.txt", 3]}, "texts[1] must be a str or Path, got int"),
+    ({"tasks": None, "texts": 3}, "texts must be a file path (str or Path) or a list of them, got int"),
+    ({"tasks": None, "texts": b"a.txt"}, "texts must be a file path (str or Path) or a list of them, got bytes"),
+    ({"tasks": None, "texts": ""}, "texts is empty"),
 ])
 def test_evaluate_bad_arguments(tmp_path, kwargs, message):
     with pytest.raises(SwitchheadError, match=re.escape(message)):
         evaluate(**kwargs, ckpt=str(tmp_path), data_dir=tmp_path)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"data_dir": 5}, "data_dir must be a str or Path, got int"),
+    ({"ckpt": 123}, "ckpt must be a str or Path, got int"),
+    ({"onnx": 1.5}, "onnx must be a str or Path, got float"),
+    ({"output": 7}, "output must be a str or Path, got int"),
+])
+def test_evaluate_paths_of_the_wrong_kind(kwargs, message):
+    with pytest.raises(SwitchheadError, match=re.escape(message)):
+        evaluate("lambada", **kwargs)
 
 
 def test_evaluate_refuses_an_empty_data_dir(tmp_path, monkeypatch):

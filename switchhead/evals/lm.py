@@ -13,13 +13,14 @@ Conventions (docs/EVAL.md explains them for readers of results):
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, brief, is_int
 from switchhead.runtime import Backend, Generator, SamplingParams, TorchBackend
 
 # Bound on the logits materialised per forward call (floats), used to pick how many chunks one call covers.
@@ -48,6 +49,54 @@ def _device(device: str | None) -> str:
     return str(resolve_device(device))  # an unknown name is a one-line error here, not a "corrupt checkpoint"
 
 
+def _batch_size(value: object) -> int:
+    # lm-eval passes its --batch_size through as typed: digits, or "auto"/"auto:N" (a GPU memory probe);
+    # sequences here are short, a fixed size is fine for "auto".
+    if value is None or (isinstance(value, str) and value.strip().startswith("auto")):
+        return DEFAULT_BATCH_SIZE
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value)
+    if not is_int(value) or value < 1:
+        raise SwitchheadError(f"the batch size (batch_size) must be a positive integer or 'auto', got {brief(value)}")
+    return value
+
+
+def _max_gen_toks(value: object, what: str = "max_gen_toks") -> int:
+    if not is_int(value) or value < 1:
+        raise SwitchheadError(f"{what} must be an integer >= 1 (tokens to generate), got {brief(value)}")
+    return value
+
+
+def _request_args(req: object, i: int, method: str, names: tuple[str, ...], optional: int = 0) -> tuple:
+    """The arguments of request `i`: `names` (the last `optional` of them may be missing), strings but for a
+    generation's kwargs. One check per request: a malformed one is a message naming it, not a TypeError deep in
+    the tokenizer."""
+    args = getattr(req, "args", None)
+    if not isinstance(args, (tuple, list)):
+        raise SwitchheadError(f"{method}: requests must be lm_eval Instance objects (with .args), request {i} is "
+                              f"a {type(req).__name__}")
+    if not len(names) - optional <= len(args) <= len(names):
+        raise SwitchheadError(f"{method}: request {i} must have the arguments ({', '.join(names)}), got "
+                              f"{len(args)}: {brief(args)}")
+    for name, arg in zip(names, args):
+        if name != "gen_kwargs" and not isinstance(arg, str):
+            raise SwitchheadError(f"{method}: request {i}'s {name} must be a string, got {type(arg).__name__} "
+                                  f"{brief(arg)}")
+    return tuple(args)
+
+
+def _until(value: object, i: int) -> tuple[str, ...]:
+    """lm-eval's stop strings: one string or a list of them; empty ones would stop at once and are dropped."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(u, str) for u in value):
+        raise SwitchheadError(f"generate_until: request {i}'s until must be a string or a list of strings, got "
+                              f"{brief(value)}")
+    return tuple(u for u in value if u)
+
+
 @register_model("switchhead")
 class SwitchheadLM(LM):
     """lm-eval model over a switchhead checkpoint (``ckpt=DIR``), ONNX export (``onnx=DIR``), or objects
@@ -58,22 +107,34 @@ class SwitchheadLM(LM):
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, progress: bool = True, threads: int | None = None,
                  **_ignored):
         super().__init__()
+        given_tokenizer = tokenizer is not None
         if sum(x is not None for x in (ckpt, onnx, model)) != 1:
             raise SwitchheadError("give exactly one of ckpt=DIR, onnx=DIR or model=")
-        device = _device(device)
+        # Checked before a checkpoint or export is loaded.
+        self.batch_size = _batch_size(batch_size)
+        self.max_gen_toks = _max_gen_toks(max_gen_toks)
+        if not isinstance(progress, bool):
+            raise SwitchheadError(f"progress must be True or False, got {brief(progress)}")
+        self.progress = progress
+        if threads is not None:
+            from switchhead.devices import check_threads
+
+            check_threads(threads)
+        where = _device(device) if device else None
         if ckpt is not None:
             from switchhead.model.checkpoint import load
 
-            model, ckpt_tokenizer = load(ckpt, device=device)
-            tokenizer = tokenizer or ckpt_tokenizer
+            model, ckpt_tokenizer = load(ckpt, device=where or "cpu")
+            tokenizer = ckpt_tokenizer if tokenizer is None else tokenizer
             backend = TorchBackend(model)
         elif onnx is not None:
             from switchhead.export import load_backend
 
             backend = load_backend(onnx, threads=threads)  # ONNX Runtime's threads; torch's are global
-            tokenizer = tokenizer or backend.tokenizer
+            tokenizer = backend.tokenizer if tokenizer is None else tokenizer
         elif isinstance(model, torch.nn.Module):
-            backend = TorchBackend(model.to(device))
+            # Module.to moves the caller's model in place: without a device asked for, it stays where it is.
+            backend = TorchBackend(model.to(where) if where else model)
         elif isinstance(model, Backend):
             backend = model
         else:
@@ -81,9 +142,10 @@ class SwitchheadLM(LM):
         if tokenizer is None:
             raise SwitchheadError("evaluation needs the model's tokenizer, and none was found (a checkpoint keeps "
                                   "it as tokenizer.model)")
-        if tokenizer.get_piece_size() > backend.config.vocab_size:
-            raise SwitchheadError(f"the tokenizer has {tokenizer.get_piece_size()} pieces but the model only "
-                                  f"{backend.config.vocab_size} outputs")
+        from switchhead.model.tokenizer import check_tokenizer
+
+        check_tokenizer(tokenizer, backend.config.vocab_size,
+                        "the tokenizer (tokenizer=)" if given_tokenizer else "the model's tokenizer")
         if tokenizer.eos_id() < 0:
             raise SwitchheadError("the tokenizer has no EOS id (the document separator evaluation relies on)")
         self.backend = backend
@@ -93,16 +155,6 @@ class SwitchheadLM(LM):
         # " The" inside text; a leading space at a document start is therefore already represented.
         first = tokenizer.encode("a", out_type=str)
         self._dummy_prefix = bool(first) and first[0].startswith("\u2581")
-        # lm-eval may pass "auto" (a GPU memory probe); sequences here are short, a fixed size is fine.
-        auto = batch_size is None or str(batch_size).startswith("auto")
-        try:
-            self.batch_size = DEFAULT_BATCH_SIZE if auto else int(batch_size)
-        except ValueError:
-            raise SwitchheadError(f"batch size must be a positive integer, got {batch_size!r}") from None
-        if self.batch_size < 1:
-            raise SwitchheadError(f"batch size must be positive, got {batch_size}")
-        self.max_gen_toks = int(max_gen_toks)
-        self.progress = str(progress).lower() not in ("false", "0", "no")
         self._activate()
 
     def _activate(self) -> None:
@@ -142,25 +194,59 @@ class SwitchheadLM(LM):
         """For each (tokens, n_context): the summed log-probability of tokens[n_context:] given what precedes
         them, and whether each of those tokens is the argmax prediction. n_context >= 1."""
         self._activate()
-        results: list[tuple[float, bool] | None] = [None] * len(sequences)
+        rows = self._check_sequences(sequences)
+        results: list[tuple[float, bool] | None] = [None] * len(rows)
         todo = []
-        for i, (tokens, n_ctx) in enumerate(sequences):
-            if n_ctx < 1:
-                raise ValueError("n_context must be >= 1 (a token to predict from)")
+        for i, (tokens, n_ctx) in enumerate(rows):
             if len(tokens) <= n_ctx:
                 results[i] = (0.0, True)
             else:
                 todo.append(i)
         # Longest first: similar lengths share a batch (little padding) and memory problems show up at once.
-        todo.sort(key=lambda i: -len(sequences[i][0]))
-        with tqdm(total=len(sequences), desc=desc, disable=not self.progress, leave=False) as bar:
-            bar.update(len(sequences) - len(todo))
+        todo.sort(key=lambda i: -len(rows[i][0]))
+        with tqdm(total=len(rows), desc=desc, disable=not self.progress, leave=False) as bar:
+            bar.update(len(rows) - len(todo))
             for start in range(0, len(todo), self.batch_size):
                 batch = todo[start:start + self.batch_size]
-                for i, r in zip(batch, self._score_batch([sequences[i] for i in batch])):
+                for i, r in zip(batch, self._score_batch([rows[i] for i in batch])):
                     results[i] = r
                 bar.update(len(batch))
         return results  # type: ignore[return-value]
+
+    def _check_sequences(self, sequences) -> list[tuple[torch.Tensor, int]]:
+        """`sequences` with each one's tokens as a 1-D integer tensor (the one conversion scoring needs anyway),
+        or a one-line error naming the first bad sequence: an id outside the vocabulary would otherwise fail deep
+        in the forward (on CUDA as a device-side assert, after which the process cannot use the GPU)."""
+        if not isinstance(sequences, (list, tuple)):
+            raise SwitchheadError(f"score: sequences must be a list of (token ids, n_context) pairs, got "
+                                  f"{type(sequences).__name__}")
+        rows = []
+        for i, seq in enumerate(sequences):
+            if not isinstance(seq, (list, tuple)) or len(seq) != 2:
+                raise SwitchheadError(f"score: sequence {i} must be a (token ids, n_context) pair, got {brief(seq)}")
+            tokens, n_ctx = seq
+            if not is_int(n_ctx) or n_ctx < 1:
+                raise SwitchheadError(f"score: sequence {i}'s n_context must be an integer >= 1 (a token to predict "
+                                      f"from), got {brief(n_ctx)}")
+            try:
+                ids = torch.as_tensor(tokens) if not isinstance(tokens, (str, bytes)) else None
+            except (TypeError, ValueError, RuntimeError, OverflowError):  # not numbers, ragged, beyond int64
+                ids = None
+            if ids is not None and ids.ndim == 1 and not len(ids):
+                ids = ids.long()  # [] reads as float
+            if ids is None or ids.ndim != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise SwitchheadError(f"score: sequence {i}'s tokens must be a list of integer token ids, got "
+                                      f"{brief(tokens)}")
+            rows.append((ids, n_ctx))
+        vocab = self.backend.config.vocab_size
+        flat = torch.cat([ids.cpu().long() for ids, _ in rows]) if rows else torch.zeros(0, dtype=torch.long)
+        if len(flat) and not (0 <= int(flat.min()) and int(flat.max()) < vocab):
+            i, bad = next((i, ids) for i, (ids, _) in enumerate(rows) if len(ids) and
+                          not (0 <= int(ids.min()) and int(ids.max()) < vocab))
+            wrong = int(bad[(bad < 0) | (bad >= vocab)][0])
+            raise SwitchheadError(f"score: sequence {i} has token id {wrong}, outside the model's vocabulary "
+                                  f"(0 to {vocab - 1})")
+        return rows
 
     def _score_batch(self, seqs: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
         T = self.backend.config.chunk_len
@@ -170,7 +256,7 @@ class SwitchheadLM(LM):
         lengths = torch.tensor([len(t) for t, _ in seqs])
         first = torch.tensor([n for _, n in seqs])  # index of the first scored token
         for b, (t, _) in enumerate(seqs):
-            ids[b, :len(t)] = torch.tensor(t)
+            ids[b, :len(t)] = t
         total = torch.zeros(B, dtype=torch.float64)
         greedy = torch.ones(B, dtype=torch.bool)
         window = T * max(1, _LOGITS_BUDGET // (B * T * self.backend.config.vocab_size))
@@ -195,16 +281,17 @@ class SwitchheadLM(LM):
     # --- lm-eval API ------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         seqs = []
-        for req in requests:
-            ctx, cont = self.encode_pair(*req.args[:2])
+        for i, req in enumerate(requests):
+            ctx, cont = self.encode_pair(*_request_args(req, i, "loglikelihood", ("context", "continuation")))
             seqs.append((ctx + cont, len(ctx)))
         return self._with_progress(disable_tqdm, self.score, seqs, "loglikelihood")
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-document log-likelihood: every token scored, the first one given the EOS start token."""
         seqs = []
-        for req in requests:
-            seqs.append(([self.eos] + self.encode(self._at_start(req.args[0])), 1))
+        for i, req in enumerate(requests):
+            (text,) = _request_args(req, i, "loglikelihood_rolling", ("text",))
+            seqs.append(([self.eos] + self.encode(self._at_start(text)), 1))
         return [ll for ll, _ in self._with_progress(disable_tqdm, self.score, seqs, "loglikelihood_rolling")]
 
     def _with_progress(self, disable: bool, fn, *args):
@@ -220,11 +307,15 @@ class SwitchheadLM(LM):
         runtime's cached generator; requests sharing stop strings and length run in batches."""
         self._activate()
         jobs = []
-        for req in requests:
-            context, kwargs = req.args[0], dict(req.args[1] if len(req.args) > 1 else {})
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else [u for u in until if u]
-            jobs.append((context, tuple(until), int(kwargs.get("max_gen_toks", self.max_gen_toks))))
+        for i, req in enumerate(requests):
+            args = _request_args(req, i, "generate_until", ("context", "gen_kwargs"), optional=1)
+            context, kwargs = args[0], args[1] if len(args) > 1 and args[1] is not None else {}
+            if not isinstance(kwargs, Mapping):
+                raise SwitchheadError(f"generate_until: request {i}'s generation kwargs must be a dict (until, "
+                                      f"max_gen_toks, ...), got {type(kwargs).__name__} {brief(kwargs)}")
+            max_new = _max_gen_toks(kwargs.get("max_gen_toks", self.max_gen_toks),
+                                    f"generate_until: request {i}'s max_gen_toks")
+            jobs.append((context, _until(kwargs.get("until"), i), max_new))
         out: list[str | None] = [None] * len(jobs)
         generator = Generator(self.backend, self.tokenizer)
         groups: dict[tuple, list[int]] = {}
@@ -233,7 +324,7 @@ class SwitchheadLM(LM):
         with tqdm(total=len(jobs), desc="generate_until", disable=disable_tqdm or not self.progress,
                   leave=False) as bar:
             for (until, max_new), idx in groups.items():
-                params = SamplingParams(max_new_tokens=max(1, max_new), temperature=0.0, stop=until)
+                params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop=until)
                 for start in range(0, len(idx), self.batch_size):
                     part = idx[start:start + self.batch_size]
                     # An empty context is a new document: the generator's EOS priming is all there is.

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError, is_int
 from switchhead.evals import data
-from switchhead.fileio import check_creatable, require_dir, write_atomic
+from switchhead.fileio import as_path, check_creatable, require_dir, write_atomic
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 # Short names used by the CLI -> the lm-eval task or group names shipped in TASKS_DIR. Prefixed so that they
@@ -49,17 +49,19 @@ def task_manager(data_dir: str | Path | None = None):
     return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=meta)
 
 
-def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = None, ckpt: str | None = None,
-             onnx: str | None = None, model=None, tokenizer=None, data_dir: str | Path | None = None,
-             limit: int | None = None, batch_size: int = 64, output: str | Path | None = None, progress: bool = True,
-             bootstrap_iters: int = 0, device: str | None = None, threads: int | None = None,
-             unwrap: bool = False) -> dict:
+def evaluate(tasks: str | list[str] | None, *, texts: str | Path | list[str | Path] | None = None,
+             ckpt: str | None = None, onnx: str | None = None, model=None, tokenizer=None,
+             data_dir: str | Path | None = None, limit: int | None = None, batch_size: int = 64,
+             output: str | Path | None = None, progress: bool = True, bootstrap_iters: int = 0,
+             device: str | None = None, threads: int | None = None, unwrap: bool = False) -> dict:
     """Evaluate a checkpoint, an ONNX export or a model object (none of them: the built-in model) on the named
     tasks (lambada, blimp, cbt) and the perplexity of each of `texts` (`text.py`; lanes = `batch_size`); returns
     lm-eval's results dict, with the text rows under "text" (also written to `output` as JSON when given; `unwrap`
     reads the texts as `train --unwrap` does). Inputs are validated before anything slow happens. `threads` sets
     torch's intra-op CPU threads for the process, and ONNX Runtime's for an export (None: leave as is)."""
-    texts = list(texts or [])
+    from switchhead.evals.text import text_paths
+
+    texts = [] if texts is None else text_paths(texts)
     names = parse_tasks(tasks) if tasks or not texts else []
     if limit is not None and (not is_int(limit) or limit < 1):
         raise SwitchheadError(f"--limit must be a positive number of examples per task, got {limit}")
@@ -71,6 +73,9 @@ def evaluate(tasks: str | list[str] | None, *, texts: list[str | Path] | None = 
     # as the CLI refuses it: check_data_dir would read "" as the current directory, the loaders as no directory
     if isinstance(data_dir, str) and not data_dir.strip():
         raise SwitchheadError("--data-dir needs a path, got an empty one")
+    for what, path in (("data_dir", data_dir), ("ckpt", ckpt), ("onnx", onnx), ("output", output)):
+        if path is not None:
+            as_path(path, what)  # a number here would be a TypeError deep in pathlib
     if data_dir is not None and not names:
         raise SwitchheadError("--data-dir applies to --tasks, and no task was given")
     if not is_int(batch_size) or batch_size < 1:

@@ -10,21 +10,44 @@ export are scored by the same code.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from switchhead.model.tokenizer import encode_file
+from switchhead.errors import SwitchheadError, brief, is_int
+from switchhead.fileio import as_path
+from switchhead.model.tokenizer import check_tokenizer, encode_file
+from switchhead.runtime import Backend
 from switchhead.train.data import TokenStream, eval_lanes, stream_nll
 
 
-def text_perplexity(backend, tokenizer, paths: Sequence[str | Path], lanes: int, progress: bool = True, *,
-                    unwrap: bool = False) -> list[dict]:
+def text_paths(paths: str | Path | Iterable[str | Path], what: str = "texts") -> list[Path]:
+    """`paths` as a list of Paths. One str or Path is one file: iterated, a string would be its characters, and
+    its "/" the whole file system (evaluate reads a directory as all the .txt files under it)."""
+    if isinstance(paths, (str, os.PathLike)):
+        return [as_path(paths, what)]
+    if isinstance(paths, (bytes, bytearray)) or not isinstance(paths, Iterable):
+        raise SwitchheadError(f"{what} must be a file path (str or Path) or a list of them, got "
+                              f"{type(paths).__name__}")
+    return [as_path(p, f"{what}[{i}]") for i, p in enumerate(paths)]
+
+
+def text_perplexity(backend, tokenizer, paths: str | Path | Sequence[str | Path], lanes: int, progress: bool = True,
+                    *, unwrap: bool = False) -> list[dict]:
     """Per file: tokens scored, mean loss per token (nats), perplexity, and bits per byte (the summed loss over
     the file's UTF-8 bytes, comparable across tokenizers). `backend` is a runtime Backend (`logits` with state);
     `unwrap` joins hard-wrapped lines first, as `train --unwrap` does."""
+    if not isinstance(backend, Backend):
+        raise SwitchheadError(f"backend must be a switchhead.runtime Backend (wrap a model in TorchBackend(model)), "
+                              f"got {type(backend).__name__}")
+    check_tokenizer(tokenizer, backend.config.vocab_size, "tokenizer")
+    if not is_int(lanes) or lanes < 1:
+        raise SwitchheadError(f"lanes must be an integer >= 1, got {brief(lanes)}")
     rows = []
-    for path in map(Path, paths):
+    for path in text_paths(paths, "paths"):
         stream = TokenStream([encode_file(tokenizer, path, unwrap=unwrap)])
+        if len(stream) < 2:  # only the EOS after the text: the file's first token is context, never scored
+            raise SwitchheadError(f"text file {path} is empty: no tokens to score")
         label = f"perplexity {path.name}" if progress else None
         chunk_len = backend.config.chunk_len
         nll, count = stream_nll(backend.logits, stream, lanes, chunk_len, progress=label)
