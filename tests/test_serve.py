@@ -20,12 +20,16 @@ from tiny import WORDS, batch_past_available_memory, needs_meminfo
 import switchhead
 from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
+from switchhead.errors import SwitchheadError
 from switchhead.runtime import SamplingParams
 from switchhead.runtime.cache import XLCache
 from switchhead.runtime.commands import load_generator
+from switchhead.runtime.engine import Generator
+from switchhead.serve import scheduler as scheduler_module
 from switchhead.serve.app import ServeConfig, create_app
 from switchhead.serve.protocol import Limits
 from switchhead.serve.scheduler import Failed, Finished, Job, Scheduler
+from switchhead.serve.server import check_options
 
 MODEL = "tiny"
 
@@ -247,13 +251,23 @@ def test_concurrent_requests_equal_their_solo_results(url, client, ref):
     wait_idle(url)
 
 
-def test_a_job_that_cannot_be_admitted_fails_alone(ckpt, ref):
-    """A job the scheduler thread cannot set up (here a token id outside the vocabulary, which no request can
-    carry) fails as "internal"; the thread lives on and serves the jobs queued with it and after it."""
+def test_a_job_that_cannot_be_admitted_fails_alone(ckpt, ref, monkeypatch):
+    """A job the scheduler thread cannot set up (here one whose detokenizer cannot be built) fails as
+    "internal"; the thread lives on and serves the jobs queued with it and after it."""
     gen = load_generator(ckpt)
     scheduler = Scheduler(gen, max_batch=2)
     greedy = SamplingParams(max_new_tokens=5, temperature=0, seed=0)
     want = solo(ref, "the fox", max_new_tokens=5, temperature=0).text
+    ids = gen.encode("the fox")
+    poison = next(t for t in range(gen.backend.config.vocab_size) if t not in ids + gen.prime)
+    real = scheduler_module.Detokenizer
+
+    def detokenizer(sp, context):
+        if poison in context:
+            raise RuntimeError("cannot decode this prompt")
+        return real(sp, context)
+
+    monkeypatch.setattr(scheduler_module, "Detokenizer", detokenizer)
 
     def end(q):
         while not isinstance(event := q.get(timeout=10), (Finished, Failed)):
@@ -263,17 +277,101 @@ def test_a_job_that_cannot_be_admitted_fails_alone(ckpt, ref):
     bad, good, later = queue.Queue(), queue.Queue(), queue.Queue()
     scheduler.start()
     try:
-        ids = gen.encode("the fox")
-        out_of_vocab = [gen.backend.config.vocab_size + 5]
-        assert scheduler.submit([Job(out_of_vocab, SamplingParams(repetition_penalty=1.2, seed=0), bad.put),
+        assert scheduler.submit([Job([poison], SamplingParams(repetition_penalty=1.2, seed=0), bad.put),
                                  Job(ids, greedy, good.put)])
         failed = end(bad)
-        assert isinstance(failed, Failed) and failed.kind == "internal"
+        assert isinstance(failed, Failed) and failed.kind == "internal" and "cannot decode" in failed.message
         assert end(good).text == want
         assert scheduler.submit([Job(ids, greedy, later.put)]) and end(later).text == want
         assert scheduler.stats()["active"] == 0
     finally:
         scheduler.stop()
+
+
+def _malformed_jobs(vocab):
+    params, sink = SamplingParams(max_new_tokens=3, seed=0), (lambda event: None)
+    return [
+        (Job([vocab], params, sink), f"token id {vocab} is outside the vocabulary"),
+        (Job([-1], params, sink), "token id -1 is outside"),
+        (Job([1.0], params, sink), "token id 1.0 is outside"),
+        (Job("the fox", params, sink), "Job.ids must be a list of token ids, got str"),
+        (Job([1], {"seed": 0}, sink), "Job.params must be SamplingParams, got dict"),
+        (Job([1], SamplingParams(), sink), "Job.params.seed must be an integer"),
+        (Job([1], params, sink, logprobs=-1), "Job.logprobs must be None or an integer >= 0, got -1"),
+        (Job([1], params, sink, logprobs="3"), "Job.logprobs must be None or an integer >= 0, got '3'"),
+        (Job([1], params, sink, deadline="soon"), "Job.deadline must be None or a time.monotonic() value"),
+        (Job([1], params, sink, deadline=float("nan")), "Job.deadline must be None"),
+        (Job([1], params, None), "Job.sink must be callable, got NoneType"),
+        ("not a job", "submit takes a list of Jobs, got an item of type str"),
+    ]
+
+
+def test_submit_refuses_malformed_jobs_and_queues_nothing(ckpt, ref):
+    """Checked on the caller's thread: on the scheduler thread a malformed job would fail every sequence
+    sharing its step (a bad id breaks the whole batched forward) or kill the thread (a string deadline)."""
+    gen = load_generator(ckpt)
+    scheduler, events = Scheduler(gen, max_batch=2), queue.Queue()
+    ok = Job(gen.encode("the fox"), SamplingParams(max_new_tokens=4, temperature=0, seed=0), events.put)
+    with pytest.raises(SwitchheadError, match=r"not running: call start\(\) before submit\(\)"):
+        scheduler.submit([ok])
+    scheduler.start()
+    try:
+        with pytest.raises(SwitchheadError, match="submit takes a list of Jobs, got Job"):
+            scheduler.submit(ok)
+        for job, message in _malformed_jobs(gen.backend.config.vocab_size):
+            with pytest.raises(SwitchheadError) as e:
+                scheduler.submit([ok, job])  # all or nothing: the good job is not queued either
+            assert message in str(e.value) and "\n" not in str(e.value)
+            assert scheduler.stats()["queued"] == 0 and events.empty()
+        assert scheduler.alive()
+        assert scheduler.submit([ok])
+        while not isinstance(event := events.get(timeout=10), (Finished, Failed)):
+            pass
+        assert event.text == solo(ref, "the fox", max_new_tokens=4, temperature=0).text
+    finally:
+        scheduler.stop()
+
+
+def test_submit_refuses_an_empty_prompt_without_an_eos_prime(ckpt):
+    """Without the EOS prime an empty prompt has nothing to predict from; the scheduler thread would spin
+    on it forever."""
+    loaded = load_generator(ckpt)
+    gen = Generator(loaded.backend, loaded.sp, prime_eos=False)
+    scheduler = Scheduler(gen, max_batch=1)
+    scheduler.start()
+    try:
+        with pytest.raises(SwitchheadError, match="an empty prompt needs a tokenizer with an EOS id"):
+            scheduler.submit([Job([], SamplingParams(seed=0), lambda event: None)])
+        assert (scheduler.stats()["active"], scheduler.stats()["queued"]) == (0, 0)
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda gen: Scheduler(gen, max_batch=0), "max_batch must be an integer >= 1, got 0"),
+    (lambda gen: Scheduler(gen, max_batch="2"), "max_batch must be an integer >= 1, got '2'"),
+    (lambda gen: Scheduler(gen, max_queue=-1), "max_queue must be an integer >= 0, got -1"),
+    (lambda gen: Scheduler(gen, max_queue=None), "max_queue must be an integer >= 0, got None"),
+    (lambda gen: Scheduler(gen.backend), "Scheduler needs a Generator, got TorchBackend"),
+    (lambda gen: ServeConfig(timeout_s=0), "timeout_s must be a number of seconds > 0, or None"),
+    (lambda gen: ServeConfig(timeout_s="60"), "timeout_s must be a number of seconds > 0"),
+    (lambda gen: ServeConfig(max_body_bytes=-1), "max_body_bytes must be an integer >= 1, got -1"),
+    (lambda gen: ServeConfig(max_batch=True), "max_batch must be an integer >= 1, got True"),
+    (lambda gen: ServeConfig(model_name=5), "model_name must be a non-empty string, got 5"),
+    (lambda gen: ServeConfig(model_name=" "), "model_name must be a non-empty string"),
+    (lambda gen: ServeConfig(limits={"max_tokens": 5}), "limits must be a Limits, got dict"),
+    (lambda gen: Limits(max_tokens=0), "Limits.max_tokens must be an integer >= 1, got 0"),
+    (lambda gen: Limits(max_prompt_tokens=2.5), "Limits.max_prompt_tokens must be an integer >= 1, got 2.5"),
+    (lambda gen: create_app(gen, {"max_batch": 2}), "create_app's config must be a ServeConfig, got dict"),
+    (lambda gen: check_options("8000", 1, 0, 0, 1, 1), "--port must be an integer in [0, 65535], got '8000'"),
+    (lambda gen: check_options(True, 1, 0, 0, 1, 1), "--port must be an integer in [0, 65535], got True"),
+    (lambda gen: check_options(80, 1, 0, -1, 1, 1), "--timeout must be a number of seconds >= 0"),
+    (lambda gen: check_options(80, 1, 0, 0, 1, 0), "--max-tokens must be an integer >= 1, got 0"),
+])
+def test_server_settings_of_the_wrong_kind_are_one_line_errors(ref, build, message):
+    with pytest.raises(SwitchheadError) as e:
+        build(ref)
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_scheduler_keeps_eos_without_stop_at_eos(ckpt, ref):
@@ -529,8 +627,8 @@ def test_many_bad_requests_then_a_good_one(url, client, ref):
 # --- command line ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--max-batch", "0"], "max-batch must be >= 1"),
-    (["--port", "70000"], "port must be in"),
+    (["--max-batch", "0"], "--max-batch must be an integer >= 1, got 0"),
+    (["--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),
     (["--ckpt", "a", "--onnx", "b"], "not both"),
     (["--ckpt", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
     (["--model-name", " "], "--model-name is empty"),

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from switchhead.errors import SwitchheadError, is_finite_number, is_int
 from switchhead.runtime.engine import Generator
 from switchhead.serve import protocol as P
 from switchhead.serve.scheduler import Failed, Finished, Job, Piece, Scheduler, TokenInfo
@@ -33,6 +34,21 @@ class ServeConfig:
     timeout_s: float | None = 600.0  # per request, from arrival to the last token; None = no limit
     max_body_bytes: int = 1 << 20
     limits: P.Limits = field(default_factory=P.Limits)
+
+    def __post_init__(self):
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise SwitchheadError(f"ServeConfig.model_name must be a non-empty string, got {self.model_name!r}")
+        if not is_int(self.max_batch) or self.max_batch < 1:
+            raise SwitchheadError(f"ServeConfig.max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if not is_int(self.max_queue) or self.max_queue < 0:
+            raise SwitchheadError(f"ServeConfig.max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if self.timeout_s is not None and (not is_finite_number(self.timeout_s) or self.timeout_s <= 0):
+            raise SwitchheadError(f"ServeConfig.timeout_s must be a number of seconds > 0, or None for no limit, "
+                                  f"got {self.timeout_s!r}")
+        if not is_int(self.max_body_bytes) or self.max_body_bytes < 1:
+            raise SwitchheadError(f"ServeConfig.max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+        if not isinstance(self.limits, P.Limits):
+            raise SwitchheadError(f"ServeConfig.limits must be a Limits, got {type(self.limits).__name__}")
 
 
 def _error(e: P.APIError) -> JSONResponse:
@@ -94,7 +110,9 @@ class _Choice:
 
 
 def create_app(generator: Generator, config: ServeConfig | None = None) -> FastAPI:
-    config = config or ServeConfig()
+    config = ServeConfig() if config is None else config
+    if not isinstance(config, ServeConfig):
+        raise SwitchheadError(f"create_app's config must be a ServeConfig, got {type(config).__name__}")
     scheduler = Scheduler(generator, config.max_batch, config.max_queue)
     started = P.now()
     sp = generator.sp

@@ -57,6 +57,11 @@ class Limits:
     max_tokens: int = 2048  # per completion
     max_sequences: int = 64  # prompts x n in one request
 
+    def __post_init__(self):
+        for name in ("max_prompt_tokens", "max_tokens", "max_sequences"):
+            if not is_int(v := getattr(self, name)) or v < 1:
+                raise SwitchheadError(f"Limits.{name} must be an integer >= 1, got {v!r}")
+
 
 @dataclass
 class CompletionRequest:

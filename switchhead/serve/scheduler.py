@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, is_finite_number, is_int
+from switchhead.model.lm import check_ids
 from switchhead.runtime.engine import Detokenizer, Generator, StopText, feed
-from switchhead.runtime.sampling import SamplingParams, TokenHistory, choose
+from switchhead.runtime.sampling import SamplingParams, TokenHistory, check_seed, choose
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,12 @@ class Scheduler:
     """Owns the cache and the model; `submit` and `cancel` may be called from any thread."""
 
     def __init__(self, generator: Generator, max_batch: int = 8, max_queue: int = 64):
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError(f"need max_batch >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
+        if not isinstance(generator, Generator):
+            raise SwitchheadError(f"Scheduler needs a Generator, got {type(generator).__name__}")
+        if not is_int(max_batch) or max_batch < 1:
+            raise SwitchheadError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not is_int(max_queue) or max_queue < 0:
+            raise SwitchheadError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.gen, self.backend = generator, generator.backend
         self.max_batch, self.max_queue = max_batch, max_queue
         self.cache = _allocate_cache(self.backend, max_batch)
@@ -153,8 +158,15 @@ class Scheduler:
 
     def submit(self, jobs: list[Job]) -> bool:
         """Queue all of `jobs` or none: False when more than `max_queue` sequences would be left waiting for a
-        row, always when there are more than `capacity` of them."""
+        row, always when there are more than `capacity` of them. A malformed job is a `SwitchheadError` here,
+        before anything is queued: on the scheduler thread it would fail every sequence sharing its step."""
+        if not isinstance(jobs, (list, tuple)):
+            raise SwitchheadError(f"submit takes a list of Jobs, got {type(jobs).__name__}")
+        for job in jobs:
+            self._check(job)
         with self._cond:
+            if not self._stop and self._thread is None:
+                raise SwitchheadError("the scheduler is not running: call start() before submit()")
             if self._stop:
                 for job in jobs:
                     self._finish(job, Failed("shutdown", "server shutting down"))
@@ -165,6 +177,24 @@ class Scheduler:
             self.pending.extend(jobs)
             self._cond.notify_all()
         return True
+
+    def _check(self, job: Job) -> None:
+        if not isinstance(job, Job):
+            raise SwitchheadError(f"submit takes a list of Jobs, got an item of type {type(job).__name__}")
+        if not isinstance(job.ids, (list, tuple)):
+            raise SwitchheadError(f"Job.ids must be a list of token ids, got {type(job.ids).__name__}")
+        check_ids([job.ids], self.backend.config.vocab_size)
+        if not job.ids and not self.gen.prime:
+            raise SwitchheadError("an empty prompt needs a tokenizer with an EOS id to start from")
+        if not isinstance(job.params, SamplingParams):
+            raise SwitchheadError(f"Job.params must be SamplingParams, got {type(job.params).__name__}")
+        check_seed(job.params.seed, "Job.params.seed")  # each row's draws come from its own seeded generator
+        if job.logprobs is not None and (not is_int(job.logprobs) or job.logprobs < 0):
+            raise SwitchheadError(f"Job.logprobs must be None or an integer >= 0, got {job.logprobs!r}")
+        if job.deadline is not None and not is_finite_number(job.deadline):
+            raise SwitchheadError(f"Job.deadline must be None or a time.monotonic() value, got {job.deadline!r}")
+        if not callable(job.sink):
+            raise SwitchheadError(f"Job.sink must be callable, got {type(job.sink).__name__}")
 
     def cancel(self, job: Job) -> None:
         """Stop `job` (client gone): its row is freed before the next step."""

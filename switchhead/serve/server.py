@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import socket
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, is_finite_number, is_int
 from switchhead.serve.protocol import Limits
 
 
 def check_options(port: int, max_batch: int, max_queue: int, timeout: float, max_prompt_tokens: int,
                   max_tokens: int) -> None:
-    checks = [("port", 0 <= port <= 65535, "in [0, 65535]"), ("max-batch", max_batch >= 1, ">= 1"),
-              ("max-queue", max_queue >= 0, ">= 0"), ("timeout", timeout >= 0, ">= 0 (0 = no limit)"),
-              ("max-prompt-tokens", max_prompt_tokens >= 1, ">= 1"), ("max-tokens", max_tokens >= 1, ">= 1")]
-    for name, ok, rule in checks:
-        if not ok:
-            raise SwitchheadError(f"{name} must be {rule}")
+    checks = [("port", port, 0, 65535), ("max-batch", max_batch, 1, None), ("max-queue", max_queue, 0, None),
+              ("max-prompt-tokens", max_prompt_tokens, 1, None), ("max-tokens", max_tokens, 1, None)]
+    for name, value, lo, hi in checks:
+        if not is_int(value) or value < lo or hi is not None and value > hi:
+            rule = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise SwitchheadError(f"--{name} must be an integer {rule}, got {value!r}")
+    if not is_finite_number(timeout) or timeout < 0:
+        raise SwitchheadError(f"--timeout must be a number of seconds >= 0 (0 = no limit), got {timeout!r}")
 
 
 def check_address(host: str, port: int) -> None:
@@ -35,7 +37,7 @@ def run_server(ckpt: str | None, onnx_dir: str | None, host: str, port: int, max
                timeout: float, max_prompt_tokens: int, max_tokens: int, model_name: str | None = None,
                device: str | None = None, log_level: str = "info", threads: int | None = None) -> None:
     check_options(port, max_batch, max_queue, timeout, max_prompt_tokens, max_tokens)
-    if model_name is not None and not model_name.strip():
+    if model_name is not None and (not isinstance(model_name, str) or not model_name.strip()):
         raise SwitchheadError("--model-name is empty; give a name, or leave it out for the checkpoint's")
     try:
         import uvicorn
