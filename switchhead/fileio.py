@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from switchhead.errors import SwitchheadError
@@ -25,6 +25,17 @@ def as_path(value: object, what: str, error: type[SwitchheadError] = SwitchheadE
     if not str(value):
         raise error(f"{what} is empty")
     return path
+
+
+def text_paths(paths: str | Path | Iterable[str | Path], what: str = "texts") -> list[Path]:
+    """`paths` as a list of Paths. One str or Path is one file: iterated, a string would be its characters, and
+    its "/" the whole file system (a directory is read as all the text files under it)."""
+    if isinstance(paths, (str, os.PathLike)):
+        return [as_path(paths, what)]
+    if isinstance(paths, (bytes, bytearray)) or not isinstance(paths, Iterable):
+        raise SwitchheadError(f"{what} must be a file path (str or Path) or a list of them, got "
+                              f"{type(paths).__name__}")
+    return [as_path(p, f"{what}[{i}]") for i, p in enumerate(paths)]
 
 
 def _nearest_existing(path: str | Path) -> Path:

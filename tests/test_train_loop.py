@@ -459,3 +459,54 @@ def test_validation_scores_every_held_out_token_in_eval_mode(sp):
         assert got["val_tokens"] == n - 1
         assert got["val_loss"] == pytest.approx(nll / (n - 1), rel=1e-12)
         assert got["val_ppl"] == pytest.approx(math.exp(nll / (n - 1)), rel=1e-12)
+
+
+def _options(tmp_path, **changes):
+    corpus = _corpus(tmp_path / "corpus.txt", n_lines=60)
+    base = dict(config="tiny-switchhead", data=[str(corpus)], out=str(tmp_path / "run"), vocab_size=300, steps=2,
+                batch_size=2, log_every=1, eval_every=2, save_every=2, cache_dir=str(tmp_path / "cache"),
+                progress=False)
+    return TrainOptions(**{**base, **changes})
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"data": 5}, "--data must be a file path (str or Path) or a list of them, got int"),
+    ({"data": [b"corpus.txt"]}, "--data[0] must be a str or Path, got bytes"),
+    ({"eval_data": [None]}, "--eval-data[0] must be a str or Path, got NoneType"),
+    ({"out": None}, "--out must be a str or Path, got NoneType"),
+    ({"out": ""}, "--out is empty"),
+    ({"tokenizer": 3}, "--tokenizer must be a str or Path, got int"),
+    ({"cache_dir": ["c"]}, "--cache-dir must be a str or Path, got list"),
+    ({"config": None}, "--config must be a preset name, a config file or a ModelConfig, got None"),
+    ({"device": 0}, "--device must be a string or None, got int"),
+    ({"dtype": ["bf16"]}, "--dtype must be a string or None, got list"),
+    ({"resume": "false"}, "resume must be True or False, got 'false'"),
+    ({"unwrap": "no"}, "unwrap must be True or False, got 'no'"),
+    ({"progress": 1}, "progress must be True or False, got 1"),
+    ({"warmup": 3}, "--warmup 3 is longer than the run (--steps 2)"),
+    ({"tokenizer_sentences": 0}, "tokenizer_sentences must be a positive integer, got 0"),
+    ({"vocab_size": 200}, "--vocab-size must be at least 300 for a tokenizer trained on the data"),
+])
+def test_options_of_the_wrong_kind_are_one_line_errors_before_any_work(tmp_path, changes, message):
+    with pytest.raises(SwitchheadError) as e:
+        train(_options(tmp_path, **changes))
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_train_refuses_what_is_not_train_options():
+    with pytest.raises(SwitchheadError, match="train takes TrainOptions, got dict"):
+        train({"config": "tiny-switchhead"})
+
+
+@pytest.mark.parametrize("as_given", [str, Path])
+def test_one_data_path_is_one_file(tmp_path, as_given):
+    """A single str or Path is the file it names (a str was read as its characters, and "/" as every file on
+    the machine); the run records the same data as the one-element list would."""
+    opts = _options(tmp_path)
+    (corpus,) = opts.data
+    res = train(_options(tmp_path, data=as_given(corpus), eval_data=as_given(corpus)))
+    assert res.step == 2 and res.final is not None
+    spec = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert [d["path"] for d in spec["data"]] == [str(Path(corpus).resolve())]
+    assert spec["eval_data"] == [str(Path(corpus).resolve())]

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError, is_int
 from switchhead.evals import data
-from switchhead.fileio import as_path, check_creatable, require_dir, write_atomic
+from switchhead.fileio import as_path, check_creatable, require_dir, text_paths, write_atomic
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 # Short names used by the CLI -> the lm-eval task or group names shipped in TASKS_DIR. Prefixed so that they
@@ -59,8 +59,6 @@ def evaluate(tasks: str | list[str] | None, *, texts: str | Path | list[str | Pa
     lm-eval's results dict, with the text rows under "text" (also written to `output` as JSON when given; `unwrap`
     reads the texts as `train --unwrap` does). Inputs are validated before anything slow happens. `threads` sets
     torch's intra-op CPU threads for the process, and ONNX Runtime's for an export (None: leave as is)."""
-    from switchhead.evals.text import text_paths
-
     texts = [] if texts is None else text_paths(texts)
     names = parse_tasks(tasks) if tasks or not texts else []
     if limit is not None and (not is_int(limit) or limit < 1):

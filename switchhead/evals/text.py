@@ -10,26 +10,14 @@ export are scored by the same code.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from switchhead.errors import SwitchheadError, brief, is_int
-from switchhead.fileio import as_path
+from switchhead.fileio import text_paths
 from switchhead.model.tokenizer import check_tokenizer, encode_file
 from switchhead.runtime import Backend
 from switchhead.train.data import TokenStream, eval_lanes, stream_nll
-
-
-def text_paths(paths: str | Path | Iterable[str | Path], what: str = "texts") -> list[Path]:
-    """`paths` as a list of Paths. One str or Path is one file: iterated, a string would be its characters, and
-    its "/" the whole file system (evaluate reads a directory as all the .txt files under it)."""
-    if isinstance(paths, (str, os.PathLike)):
-        return [as_path(paths, what)]
-    if isinstance(paths, (bytes, bytearray)) or not isinstance(paths, Iterable):
-        raise SwitchheadError(f"{what} must be a file path (str or Path) or a list of them, got "
-                              f"{type(paths).__name__}")
-    return [as_path(p, f"{what}[{i}]") for i, p in enumerate(paths)]
 
 
 def text_perplexity(backend, tokenizer, paths: str | Path | Sequence[str | Path], lanes: int, progress: bool = True,

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +24,18 @@ from tqdm import tqdm
 from switchhead.devices import memory as device_memory
 from switchhead.devices import native_half, out_of_memory, resolve_device
 from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number, is_int
+from switchhead.fileio import as_path, text_paths
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
 from switchhead.model.config import ModelConfig, resolve_config
 from switchhead.model.lm import TransformerLM, eval_mode
-from switchhead.model.tokenizer import load_tokenizer, save_tokenizer, tokenizer_fingerprint, train_tokenizer
+from switchhead.model.tokenizer import (
+    MIN_VOCAB_SIZE,
+    load_tokenizer,
+    save_tokenizer,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
 from switchhead.runtime.sampling import check_seed, seed_plus
 from switchhead.train.data import (
     LaneBatcher,
@@ -161,7 +168,7 @@ def _amp_dtype(device: torch.device, dtype_opt: str | None) -> torch.dtype:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    if dtype_opt not in DTYPES:
+    if not isinstance(dtype_opt, str) or dtype_opt not in DTYPES:
         raise SwitchheadError(f"unknown --dtype {dtype_opt!r}; choose from float32, bfloat16, float16")
     dtype = DTYPES[dtype_opt]
     if dtype == torch.float16 and device.type != "cuda":
@@ -278,6 +285,7 @@ class _StopFlag:
 
 def train(opts: TrainOptions) -> TrainResult:
     """Train (or resume) a model as described by `opts`; see the module docstring for the output layout."""
+    opts = _validated(opts)
     device, owns_group = _setup_distributed(opts.device)
     try:
         with contextlib.ExitStack() as held:
@@ -285,6 +293,27 @@ def train(opts: TrainOptions) -> TrainResult:
     finally:
         if owns_group and _dist_on():
             dist.destroy_process_group()
+
+
+def _validated(opts: TrainOptions) -> TrainOptions:
+    """`opts` checked, with `data` and `eval_data` as lists of Paths (one str or Path is one file)."""
+    if not isinstance(opts, TrainOptions):
+        raise SwitchheadError(f"train takes TrainOptions, got {type(opts).__name__}")
+    if not isinstance(opts.config, (str, os.PathLike, ModelConfig)) or not str(opts.config):
+        raise SwitchheadError(f"--config must be a preset name, a config file or a ModelConfig, got {opts.config!r}")
+    opts = replace(opts, data=text_paths(opts.data, "--data"), eval_data=text_paths(opts.eval_data, "--eval-data"))
+    as_path(opts.out, "--out")
+    for name in ("tokenizer", "cache_dir"):
+        if getattr(opts, name) is not None:
+            as_path(getattr(opts, name), f"--{name.replace('_', '-')}")
+    for name in ("device", "dtype"):
+        if (v := getattr(opts, name)) is not None and not isinstance(v, str):
+            raise SwitchheadError(f"--{name} must be a string or None, got {type(v).__name__}")
+    for name in ("resume", "progress", "unwrap"):  # a truthy "false" would silently mean True
+        if not isinstance(getattr(opts, name), bool):
+            raise SwitchheadError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+    _validate(opts)
+    return opts
 
 
 def _validate(opts: TrainOptions) -> None:
@@ -296,12 +325,20 @@ def _validate(opts: TrainOptions) -> None:
         raise SwitchheadError(f"--eval-batch-size must be a positive integer, got {opts.eval_batch_size!r}")
     if not is_int(opts.vocab_size) or opts.vocab_size < 1:
         raise SwitchheadError(f"--vocab-size must be a positive integer, got {opts.vocab_size!r}")
+    if opts.tokenizer is None and not opts.resume and opts.vocab_size < MIN_VOCAB_SIZE:  # before any work
+        raise SwitchheadError(f"--vocab-size must be at least {MIN_VOCAB_SIZE} for a tokenizer trained on the data "
+                              f"(byte fallback needs 256 pieces), got {opts.vocab_size}")
     if not is_finite_number(opts.lr) or not opts.lr > 0:
         raise SwitchheadError(f"--lr must be a positive finite number, got {opts.lr}")
     if opts.lr > _MAX_LR:  # AdamW's first step is 10 * lr: past this it cannot even be applied to float32 weights
         raise SwitchheadError(f"--lr must be at most {_MAX_LR:.1e} (AdamW's step overflows float32), got {opts.lr}")
     if not is_int(opts.warmup) or opts.warmup < 0:
         raise SwitchheadError(f"--warmup must be an integer >= 0, got {opts.warmup!r}")
+    if opts.warmup > opts.steps:
+        raise SwitchheadError(f"--warmup {opts.warmup} is longer than the run (--steps {opts.steps}): the learning "
+                              f"rate would never reach --lr")
+    if not is_int(opts.tokenizer_sentences) or opts.tokenizer_sentences < 1:
+        raise SwitchheadError(f"tokenizer_sentences must be a positive integer, got {opts.tokenizer_sentences!r}")
     check_seed(opts.seed, "--seed")
     if opts.grad_clip is not None and (not is_finite_number(opts.grad_clip) or opts.grad_clip < 0):
         raise SwitchheadError(
@@ -313,7 +350,6 @@ _MAX_LR = float(torch.finfo(torch.float32).max) / 20
 
 
 def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack) -> TrainResult:
-    _validate(opts)
     rank, world = _rank(), _world()
     is_main = rank == 0
     out = Path(opts.out)
