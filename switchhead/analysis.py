@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from switchhead.errors import SwitchheadError
-from switchhead.fileio import atomic_directory, check_output_dir, read_utf8
-from switchhead.model.lm import check_ids, eval_mode
+from switchhead.errors import SwitchheadError, is_int
+from switchhead.fileio import as_path, atomic_directory, check_output_dir, read_utf8
+from switchhead.model.lm import TransformerLM, check_ids, eval_mode
 from switchhead.model.tokenizer import check_tokenizer
 from switchhead.runtime.sampling import check_utf8
 
@@ -94,7 +94,12 @@ def selection_scores(experts: np.ndarray, gates: np.ndarray, n_experts: int) -> 
 
 
 def parse_indices(spec: str | None, what: str) -> list[int] | None:
-    """"0,2,5" -> [0, 2, 5]; None/empty -> None (all)."""
+    """"0,2,5" -> [0, 2, 5]; None/empty -> None (all). A list of indices is taken as it is (checked later)."""
+    if isinstance(spec, (list, tuple, range)):
+        return list(spec)
+    if spec is not None and not isinstance(spec, str):
+        raise SwitchheadError(f"--{what} must be comma-separated integers such as 0,2, or a list of them; got "
+                              f"{spec!r}")
     if spec is None or not spec.strip():
         return None
     try:
@@ -106,15 +111,25 @@ def parse_indices(spec: str | None, what: str) -> list[int] | None:
     return sorted(set(values))
 
 
-def _check_range(values: list[int] | None, n: int, what: str) -> list[int]:
+def _check_range(values: Sequence[int] | None, n: int, what: str) -> list[int]:
+    """`values` (None: all n) as sorted distinct indices, each in [0, n)."""
     if values is None:
         return list(range(n))
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, range, set, frozenset)):
+        raise SwitchheadError(f"the {what}s must be a list of integers, got {type(values).__name__}")
     if not values:
         raise SwitchheadError(f"no {what} given: name at least one, or none for all {n}")
+    if bad := next((v for v in values if not is_int(v)), None):
+        raise SwitchheadError(f"{what} indices must be integers, got {bad!r}")
     bad = [v for v in values if not 0 <= v < n]
     if bad:
         raise SwitchheadError(f"{what} {bad[0]} out of range: the model has {n} {what}s (0..{n - 1})")
-    return list(values)
+    return sorted(set(values))
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, TransformerLM):
+        raise SwitchheadError(f"inspect needs a TransformerLM (e.g. from switchhead.load), got {type(model).__name__}")
 
 
 def collect(model, ids: Sequence[int], layers: Sequence[int] | None = None) -> list[ChunkTrace]:
@@ -122,13 +137,18 @@ def collect(model, ids: Sequence[int], layers: Sequence[int] | None = None) -> l
 
     The model's own chunked forward keeps only the last chunk in the hook, so the chunks are fed here one at a
     time with the returned memory; the model is put in eval mode (no dropout) and restored afterwards."""
+    _check_model(model)
     cfg = model.config
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a tensor or array of one sequence
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise SwitchheadError(f"ids must be one sequence of token ids, got {type(ids).__name__}")
     if len(ids) == 0:
         raise SwitchheadError("nothing to inspect: the text has no tokens")
-    layers = _check_range(list(layers) if layers is not None else None, cfg.n_layers, "layer")
+    check_ids([ids], cfg.vocab_size)  # a float id would be truncated by as_tensor, not refused
+    layers = _check_range(layers, cfg.n_layers, "layer")
     device = next(model.parameters()).device
     ids_t = torch.as_tensor(list(ids), dtype=torch.long, device=device)[None]
-    check_ids(ids_t, cfg.vocab_size)
     model.record_attention(True)
     chunks: list[ChunkTrace] = []
     memory = None
@@ -478,7 +498,9 @@ def read_text(text: str | None, text_file: str | Path | None) -> str:
     if (text is None) == (text_file is None):
         raise SwitchheadError("give exactly one of --text or --text-file")
     if text_file is not None:
-        text = read_utf8(text_file)
+        text = read_utf8(as_path(text_file, "--text-file"))
+    if not isinstance(text, str):
+        raise SwitchheadError(f"the text to inspect must be a string, got {type(text).__name__}")
     if not text.strip():
         raise SwitchheadError("the text to inspect is empty")
     check_utf8(text, "the text to inspect")  # SentencePiece cannot take lone surrogates
@@ -495,26 +517,27 @@ def is_report(path: Path) -> bool:
 def prepare_out(out: str | Path) -> Path:
     """`out` as a Path, if the report may go there: a new or empty directory, or an earlier report (which is
     replaced as a whole, so no figure of it is left behind)."""
-    return check_output_dir(out, is_report, "an earlier inspect report")
+    return check_output_dir(as_path(out, "--out"), is_report, "an earlier inspect report")
 
 
 def inspect_text(model, tokenizer, text: str, out: str | Path, layers: Sequence[int] | None = None,
                  heads: Sequence[int] | None = None, write_json: bool = False,
                  window: int = DEFAULT_WINDOW, progress: bool = False) -> InspectResult:
     """Collect, draw and (optionally) dump the attention of `model` on `text` into directory `out`."""
+    _check_model(model)
     cfg = model.config
     if tokenizer is None:
         raise SwitchheadError("the checkpoint has no tokenizer.model; inspect needs it to label the tokens")
     check_tokenizer(tokenizer, cfg.vocab_size)
-    if not isinstance(window, int) or window < 1:
+    if not is_int(window) or window < 1:
         raise SwitchheadError(f"--window must be a positive integer, got {window!r}")
     if not isinstance(text, str):
         raise SwitchheadError(f"the text to inspect must be a string, got {type(text).__name__}")
     if not text.strip():
         raise SwitchheadError("the text to inspect is empty")
     check_utf8(text, "the text to inspect")
-    heads = _check_range(list(heads) if heads is not None else None, n_maps(cfg), "head")
-    layers = _check_range(list(layers) if layers is not None else None, cfg.n_layers, "layer")
+    heads = _check_range(heads, n_maps(cfg), "head")
+    layers = _check_range(layers, cfg.n_layers, "layer")
     out = prepare_out(out)
     ids = tokenizer.encode(text)
     pieces = [tokenizer.id_to_piece(i) for i in ids]

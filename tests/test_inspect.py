@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from switchhead import PRESETS, TransformerLM, save
-from switchhead.analysis import collect, head_selection, selection_scores, windows
+from switchhead.analysis import collect, head_selection, inspect_text, run_inspect, selection_scores, windows
 from switchhead.cli import main
 from switchhead.model.tokenizer import train_tokenizer
 
@@ -304,6 +304,46 @@ def test_library_bad_arguments(ckpt, tmp_path):
         with pytest.raises(SwitchheadError, match="is outside the vocabulary"):
             collect(model, ids)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda m, sp, out: collect(m, [1.0, 2.0]), "token id 1.0 is outside the vocabulary"),
+    (lambda m, sp, out: collect(m, "the"), "ids must be one sequence of token ids, got str"),
+    (lambda m, sp, out: collect(m, [1, 2], layers=0), "the layers must be a list of integers, got int"),
+    (lambda m, sp, out: collect(m, [1, 2], layers=[0.5]), "layer indices must be integers, got 0.5"),
+    (lambda m, sp, out: collect(m.state_dict(), [1, 2]), "inspect needs a TransformerLM"),
+    (lambda m, sp, out: inspect_text(m, sp, TEXT, out, heads=[True]), "head indices must be integers, got True"),
+    (lambda m, sp, out: inspect_text(m, sp, TEXT, out, window=True), "--window must be a positive integer, got True"),
+    (lambda m, sp, out: inspect_text(m, sp, TEXT, 5), "--out must be a str or Path, got int"),
+    (lambda m, sp, out: inspect_text("ckpt", sp, TEXT, out), "inspect needs a TransformerLM"),
+    (lambda m, sp, out: run_inspect(None, TEXT, None, out, layers=7), "--layers must be comma-separated integers"),
+    (lambda m, sp, out: run_inspect(None, None, 3, out), "--text-file must be a str or Path, got int"),
+    (lambda m, sp, out: run_inspect(None, b"the", None, out), "the text to inspect must be a string, got bytes"),
+])
+def test_library_arguments_of_the_wrong_kind(ckpt, tmp_path, call, message):
+    from switchhead import load
+    from switchhead.errors import SwitchheadError
+
+    model, sp = load(ckpt / "ckpt")
+    with pytest.raises(SwitchheadError) as e:
+        call(model, sp, tmp_path / "out")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_layers_and_heads_lists_are_taken_sorted_and_once(ckpt, tmp_path):
+    from switchhead import load
+
+    model, sp = load(ckpt / "ckpt")
+    result = run_inspect(ckpt / "ckpt", TEXT, None, tmp_path / "out", layers=[1, 0, 1], heads=(1, 0))
+    assert result.layers == [0, 1] and result.heads == [0, 1]
+    again = inspect_text(model, sp, TEXT, tmp_path / "again", layers=range(2), heads=[1, 1])
+    assert again.layers == [0, 1] and again.heads == [1]
+    ids = sp.encode(TEXT)
+    from_tensor, from_list = collect(model, torch.tensor(ids)), collect(model, ids)
+    assert len(from_tensor) == len(from_list) > 0
+    assert all(np.array_equal(a.layers[i].probs, b.layers[i].probs)
+               for a, b in zip(from_tensor, from_list) for i in (0, 1))
 
 
 def test_output_path_that_is_a_file(ckpt, tmp_path):
