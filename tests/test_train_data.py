@@ -301,3 +301,15 @@ def test_file_changing_while_tokenized_leaves_no_cache_entry(tmp_path, sp, monke
     monkeypatch.undo()
     path.write_text("the quick brown fox")  # the content the entry would have been keyed by
     assert list(cached_tokens(sp, path, tmp_path / "cache")) == sp.encode("the quick brown fox") + [sp.eos_id()]
+
+
+@pytest.mark.parametrize("n_lanes,chunk_len,message", [
+    (0, 7, "LaneBatcher.n_lanes must be a positive integer, got 0"),
+    (4, 0, "LaneBatcher.chunk_len must be a positive integer, got 0"),
+    (2.0, 7, "LaneBatcher.n_lanes must be a positive integer, got 2.0"),
+])
+def test_lane_batcher_refuses_empty_geometry(n_lanes, chunk_len, message):
+    stream = TokenStream([np.arange(100, dtype=np.int32)])
+    with pytest.raises(SwitchheadError) as e:
+        LaneBatcher(stream, n_lanes=n_lanes, chunk_len=chunk_len)
+    assert message in str(e.value)

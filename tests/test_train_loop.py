@@ -510,3 +510,28 @@ def test_one_data_path_is_one_file(tmp_path, as_given):
     spec = json.loads((tmp_path / "run" / "run.json").read_text())
     assert [d["path"] for d in spec["data"]] == [str(Path(corpus).resolve())]
     assert spec["eval_data"] == [str(Path(corpus).resolve())]
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"n_lanes": 0}, "n_lanes must be a positive integer, got 0"),
+    ({"n_lanes": 2.5}, "n_lanes must be a positive integer, got 2.5"),
+    ({"device": "tpu"}, "unknown device 'tpu'"),
+    ({"amp_dtype": "bfloat16"}, "amp_dtype must be torch.float32, torch.bfloat16 or torch.float16, got 'bfloat16'"),
+    ({"amp_dtype": torch.int64}, "amp_dtype must be torch.float32"),
+    ({"progress": True}, "progress must be a label (str) or None, got bool"),
+    ({"stream": np.arange(50)}, "evaluate needs a TokenStream (switchhead.train.data), got ndarray"),
+    ({"model": None}, "evaluate needs a TransformerLM, got NoneType"),
+])
+def test_evaluate_refuses_arguments_of_the_wrong_kind(changes, message):
+    model = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=50))
+    args = {"model": model, "stream": TokenStream([np.arange(50)]), "n_lanes": 2, "device": "cpu", **changes}
+    with pytest.raises(SwitchheadError) as e:
+        evaluate(**args)
+    assert message in str(e.value)
+
+
+def test_evaluate_takes_a_device_name():
+    torch.manual_seed(0)
+    model = TransformerLM(PRESETS["tiny-switchhead"].replace(vocab_size=50))
+    stream = TokenStream([np.random.default_rng(0).integers(0, 50, 80)])
+    assert evaluate(model, stream, 2, "cpu") == evaluate(model, stream, 2, torch.device("cpu"))

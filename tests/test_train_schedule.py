@@ -45,3 +45,20 @@ def test_every_step_follows_the_recipe_and_holds_past_the_end(total, warmup, min
         assert lr_at(step, 3e-4, total, warmup=warmup, min_ratio=min_ratio) == pytest.approx(want, abs=1e-18), step
     assert lr_at(total + 29, 3e-4, total, warmup=warmup, min_ratio=min_ratio) == pytest.approx(3e-4 * min_ratio,
                                                                                                abs=1e-18)
+
+
+@pytest.mark.parametrize("args,message", [
+    ((-1, 1.0, 10), "step must be an integer >= 0, got -1"),
+    ((1.5, 1.0, 10), "step must be an integer >= 0, got 1.5"),
+    ((1, "1e-3", 10), "base_lr must be a finite number >= 0, got '1e-3'"),
+    ((1, float("nan"), 10), "base_lr must be a finite number >= 0"),
+    ((1, 1.0, None), "total_steps must be an integer >= 0, got None"),
+    ((1, 1.0, 10, -2), "warmup must be an integer >= 0, got -2"),
+    ((1, 1.0, 10, 0, 1.5), "min_ratio must be a number in [0, 1], got 1.5"),
+])
+def test_bad_arguments_are_one_line_errors(args, message):
+    from switchhead.errors import SwitchheadError
+
+    with pytest.raises(SwitchheadError) as e:
+        lr_at(*args)
+    assert message in str(e.value)

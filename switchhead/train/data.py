@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from switchhead.errors import SwitchheadError
+from switchhead.errors import SwitchheadError, is_int
 from switchhead.fileio import check_creatable, not_utf8
 from switchhead.model.tokenizer import encode_file, token_dtype, tokenizer_fingerprint
 
@@ -219,6 +219,9 @@ class LaneBatcher:
     lanes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("n_lanes", "chunk_len"):
+            if not is_int(v := getattr(self, name)) or v < 1:
+                raise SwitchheadError(f"LaneBatcher.{name} must be a positive integer, got {v!r}")
         need = self.n_lanes * (self.chunk_len + 1)
         if len(self.stream) < need:
             raise SwitchheadError(

@@ -189,6 +189,17 @@ def evaluate(
     progress: str | None = None,
 ) -> dict[str, float]:
     """Per-token loss and perplexity over `stream`, chunk by chunk with XL memory (split across DDP ranks)."""
+    if not isinstance(model, TransformerLM):
+        raise SwitchheadError(f"evaluate needs a TransformerLM, got {type(model).__name__}")
+    if not isinstance(stream, TokenStream):
+        raise SwitchheadError(f"evaluate needs a TokenStream (switchhead.train.data), got {type(stream).__name__}")
+    if not is_int(n_lanes) or n_lanes < 1:
+        raise SwitchheadError(f"n_lanes must be a positive integer, got {n_lanes!r}")
+    device = resolve_device(device)
+    if amp_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise SwitchheadError(f"amp_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {amp_dtype!r}")
+    if progress is not None and not isinstance(progress, str):
+        raise SwitchheadError(f"progress must be a label (str) or None, got {type(progress).__name__}")
     rank, world = _rank(), _world()
     cfg = model.config
     lanes = range(rank, eval_lanes(n_lanes, len(stream), cfg.chunk_len), world)
