@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from switchhead.errors import SwitchheadError
 from switchhead.kernels import expert_projection, reference, torch_paths
-from switchhead.kernels.ops import KernelBackendError
+from switchhead.kernels.ops import KernelBackendError, project
 
 # Imported here, before any test sets TRITON_INTERPRET=1: triton.jit reads the variable when it decorates, also
 # triton.language's own helpers, which the sm_90 builds below need as compiled-mode functions (imported first under
@@ -648,6 +648,9 @@ def test_bad_shapes_are_rejected():
         expert_projection(x, w[:, :-1], index, gate, 2)
     with pytest.raises(RuntimeError, match="float64"):
         expert_projection(x, w.double(), index, gate, 2)
+    for n_out in (True, 2.0):  # R = 1 read from a bool; a float reached the index ops
+        with pytest.raises(RuntimeError, match=f"n_out {n_out}"):
+            project(x, w, index, gate, n_out)
     for args in ((x[:, :0], w, index, gate, 2), (x, w, index[:, :0], gate[:, :0], 2), (x, w[..., :0], index, gate, 2),
                  (x.long(), w.long(), index, gate, 2)):  # I = 0, S = 0, D_out = 0, integer inputs
         with pytest.raises(RuntimeError, match="expected floating-point x"):
@@ -1589,7 +1592,8 @@ def test_strided_inputs_match_naive_loop(shape, name, backend):
     x, w, index, gate, grad = on_device(cast)
     x = _every_other(x).requires_grad_()
     w = w.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
-    assert x.stride(-1) == 2 and w.stride(-1) != 1
+    index, gate = (t.t().contiguous().t() for t in (index, gate))  # column-major, as from a transposed [S, N]
+    assert x.stride(-1) == 2 and w.stride(-1) != 1 and index.stride(0) == 1 and gate.stride(0) == 1
     gate.requires_grad_()
     out = expert_projection(x, w, index, gate, shape.n_out)
     got = [out.detach(), *torch.autograd.grad(out, [x, w, gate], grad)]
@@ -1627,6 +1631,8 @@ def _random_case(seed: int, large: bool):
         gate = gate.to(dtype)
     if rng.random() < 0.5:
         index = index.int()
+    if rng.random() < 0.3:  # column-major, as from a transposed [S, N]
+        index = index.t().contiguous().t()
     gate_trains = gate is not None and rng.random() < 0.8
     args = [x.requires_grad_(), w.requires_grad_(not frozen), index]
     args.append(gate.requires_grad_(gate_trains) if gate is not None else None)

@@ -96,7 +96,8 @@ def _check(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out:
     """Eager check on concrete shapes and (CPU) index values: as few host operations as possible, since it runs
     on every call, also at batch-1 decode where the whole op takes tens of microseconds. (Plain raises: on
     concrete values torch._check adds ~3.5 us per condition for nothing.)"""
-    ok = x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0
+    # type(): a bool is an int to isinstance, and True would quietly be read as R = 1
+    ok = type(n_out) is int and x.dim() == 3 and weight.dim() == 3 and index.dim() == 2 and n_out > 0
     ok = ok and weight.shape[1] == x.shape[2] and index.shape[0] == x.shape[0] and x.dtype == weight.dtype
     ok = ok and x.shape[1] > 0 and index.shape[1] > 0 and weight.shape[2] > 0 and x.dtype.is_floating_point
     ok = ok and x.shape[2] > 0 and (gate is None or gate.dtype.is_floating_point)
@@ -207,6 +208,7 @@ def _plain_eager(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) 
 
 def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     _check(x, weight, index, gate, n_out)
+    index = index.contiguous()  # every path flattens it with views; a transposed index is legal input
     backend = backend_for(x)
     if x.shape[0] == 0:  # no tokens: nothing to launch (and no per-backend corner case to get right)
         return x.new_zeros(0, n_out, weight.shape[-1])
@@ -252,6 +254,7 @@ def expert_projection_backward(
     """Gradients w.r.t. x, weight and gate (the weight's and the gate's are empty when not needed; the gate's
     also when gate is None)."""
     backend = backend_for(x)
+    index = index.contiguous()
     if x.shape[0] == 0:
         grad_x, grad_w, grad_gate = _grad_buffers(x, weight, index, gate, need_gate_grad, need_weight_grad)
         return grad_x, grad_w.zero_(), grad_gate

@@ -1058,6 +1058,7 @@ def forward(
     regime: Regime | None = None,
     widen: bool | None = None,
 ) -> Tensor:
+    index = index.contiguous()  # the regimes flatten it with views (a transposed one is legal input)
     regime, wide, w = _plan_call(x, weight, index, n_out, False, regime, widen)
     if not wide:
         return FORWARD[regime](x, w, index, gate, n_out)
@@ -1068,6 +1069,7 @@ def backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
     need_weight_grad: bool = True, regime: Regime | None = None, widen: bool | None = None,
 ) -> Grads:
+    index = index.contiguous()
     regime, wide, w = _plan_call(x, weight, index, grad.shape[1], True, regime, widen)
     if not wide:
         return BACKWARD[regime](grad, x, w, index, gate, need_gate_grad, need_weight_grad)
