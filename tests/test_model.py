@@ -241,6 +241,10 @@ def test_forward_rejects_bad_memory_and_input():
         ((torch.zeros(0, 3, dtype=torch.long),), "with batch, tokens >= 1, got (0, 3)"),
         ((torch.zeros(3, dtype=torch.long),), "got (3,)"),
         ((ids.float(),), "token ids must be an integer tensor, got torch.float32"),
+        # integer kinds the embedding does not take failed inside it (uint8 ids 256 apart are one id)
+        ((ids.to(torch.uint8),), "token ids must be an integer tensor, got torch.uint8 (int64 or int32 are taken)"),
+        ((ids.to(torch.int16),), "got torch.int16"),
+        ((ids.to(torch.complex64),), "got torch.complex64"),
         ((ids + 512,), "token id 512 is outside the vocabulary [0, 512)"),
         ((ids - 1,), "token id -1 is outside"),
     ]

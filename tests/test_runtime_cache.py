@@ -250,3 +250,68 @@ def test_decode_rejects_bad_ids_and_a_cache_outside_a_step():
     torch.testing.assert_close(got, _reference(m, torch.tensor([[5], [7]])), atol=ATOL, rtol=0)
     with pytest.raises(SwitchheadError, match="XLCache.commit outside a step"):
         cache.commit()
+
+
+@pytest.mark.parametrize("change", [dict(chunk_len=8), dict(mem_chunks=0), dict(n_layers=1), dict(n_heads=1),
+                                    dict(d_head=8)])
+def test_decode_refuses_a_cache_made_for_another_layout(change):
+    """A cache of another chunk length or memory setting fitted the buffers and gave wrong logits silently; one of
+    other layers or heads failed inside attention."""
+    m = _model("tiny-switchhead")
+    other = XLCache(m.config.replace(**change), 1)
+    other.begin([1])
+    with torch.no_grad(), pytest.raises(SwitchheadError, match="the cache was made for another model"):
+        m.decode(torch.tensor([[3]]), other)
+    # a config that differs elsewhere (here the vocabulary) lays out the same cache, which then serves
+    same = XLCache(m.config.replace(vocab_size=m.config.vocab_size + 1), 1)
+    same.begin([1])
+    with torch.no_grad():
+        torch.testing.assert_close(m.decode(torch.tensor([[3]]), same), _reference(m, torch.tensor([[3]])),
+                                   atol=ATOL, rtol=0)
+
+
+def test_decode_refuses_what_is_not_a_cache_or_holds_another_dtype():
+    m = _model("tiny-switchhead")
+    with torch.no_grad():
+        for cache in (None, "cache", m.config):
+            with pytest.raises(SwitchheadError, match="decode needs a KV cache"):
+                m.decode(torch.tensor([[3]]), cache)
+        wide = XLCache(m.config, 1, dtype=torch.float64)
+        wide.begin([1])
+        with pytest.raises(SwitchheadError, match="the cache holds torch.float64 on cpu; the model computes "
+                                                  "torch.float32"):
+            m.decode(torch.tensor([[3]]), wide)
+
+
+def test_cache_refuses_bad_rows_layers_counts_and_devices():
+    cfg = PRESETS["tiny-switchhead"]
+    cache = XLCache(cfg, 2)
+    for row in (-1, 2, True, None, 1.0):  # -1 reset the last row, True and None every row
+        with pytest.raises(SwitchheadError, match=r"row must be an integer in \[0, 2\)"):
+            cache.reset_row(row)
+    for counts in ([1.5, 1], [True, 1], [1], [1, 1, 1], [], torch.tensor([1.0, 1.0]), torch.tensor([[1, 1]]),
+                   "11", [float("nan"), 1]):
+        with pytest.raises(SwitchheadError, match="bad step: counts must be 2 integers"):
+            cache.begin(counts)
+    for t in (2.5, True, 0, "2"):  # 2.5 was a width of 3
+        with pytest.raises(SwitchheadError, match="bad step: counts"):
+            cache.begin([1, 1], t)
+    assert cache.plan is None and cache.fill.tolist() == [0, 0]  # nothing refused changed the cache
+    cache.begin(torch.tensor([2, 1], dtype=torch.int32), 2)
+    with pytest.raises(SwitchheadError, match="begin called twice without commit"):
+        cache.begin([1, 1])
+    with pytest.raises(SwitchheadError, match="reset_row inside a step"):
+        cache.reset_row(0)
+    k = torch.zeros(2, cfg.n_heads, 2, cfg.d_head)
+    for layer in (-1, cfg.n_layers, True, "0"):  # -1 was the last layer
+        with pytest.raises(SwitchheadError, match=rf"layer must be an integer in \[0, {cfg.n_layers}\)"):
+            cache.write(layer, k, k)
+        with pytest.raises(SwitchheadError, match="layer must be an integer"):
+            cache.window(layer)
+    cache.commit()
+    assert cache.fill.tolist() == [2, 1]
+    cache.reset_row(1)
+    assert cache.fill.tolist() == [2, 0] and cache.seen.tolist() == [2, 0]
+    for device in ("meta", "gpu", ""):
+        with pytest.raises(SwitchheadError, match="device"):
+            XLCache(cfg, 1, device=device)

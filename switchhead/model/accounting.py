@@ -86,6 +86,12 @@ def kv_heads(config: ModelConfig) -> int:
     return 1 if config.attention == "moa" else config.n_heads
 
 
+def cache_layout(config: ModelConfig) -> tuple[int, int, int, int, bool]:
+    """What a generation cache's buffers and bookkeeping depend on: layers, K/V heads, head width, chunk length and
+    whether there is memory. Two configs that agree on it can share a cache."""
+    return config.n_layers, kv_heads(config), config.d_head, config.chunk_len, config.mem_chunks > 0
+
+
 def kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:
     """Generation cache per token, all layers: K and V after projection."""
     return 2 * kv_heads(config) * config.d_head * config.n_layers * bytes_per_element

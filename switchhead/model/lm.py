@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from switchhead.errors import ConfigError, SwitchheadError
+from switchhead.model.accounting import cache_layout
 from switchhead.model.config import ModelConfig
 from switchhead.model.layers import Block, SigmaMoE
 
@@ -36,8 +37,8 @@ def check_ids(ids: Tensor | Sequence[Sequence[int]], vocab_size: int, values: bo
     raises a bare IndexError and ONNX Runtime's Gather silently wraps negative ids around. With values=False
     only a tensor's dtype is checked (the range needs a host sync on a GPU)."""
     if isinstance(ids, Tensor):
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise SwitchheadError(f"token ids must be an integer tensor, got {ids.dtype}")
+        if ids.dtype not in (torch.int64, torch.int32):  # the embedding's index kinds
+            raise SwitchheadError(f"token ids must be an integer tensor, got {ids.dtype} (int64 or int32 are taken)")
         bad = None
         if values and ids.numel():
             lo, hi = ids.min().item(), ids.max().item()
@@ -137,7 +138,17 @@ class TransformerLM(nn.Module):
         return self.out(self.drop(self.ln_f(x))), torch.stack(new_memory) if new_memory else None
 
     def decode(self, input_ids: Tensor, cache: KVCache) -> Tensor:
-        """Logits for new tokens given a KV cache that holds everything before them (see `KVCache`)."""
+        """Logits for new tokens given a KV cache that holds everything before them (see `KVCache`). A cache that
+        carries the config it was made for as `cfg` (the runtime's XLCache) must have been made for this model's
+        layout: one of another chunk length or memory would give wrong logits without any error."""
+        if not callable(getattr(cache, "update", None)):
+            raise SwitchheadError(f"decode needs a KV cache (e.g. switchhead.runtime.cache.XLCache), got "
+                                  f"{type(cache).__name__}")
+        made_for = getattr(cache, "cfg", None)
+        if isinstance(made_for, ModelConfig) and cache_layout(made_for) != cache_layout(self.config):
+            names = "layers, K/V heads, d_head, chunk_len, memory"
+            raise SwitchheadError(f"the cache was made for another model ({names}: {cache_layout(made_for)}; this "
+                                  f"model: {cache_layout(self.config)}); make one with this model's config")
         check_batch(input_ids)
         # Id values are checked where that costs no host sync; the engine has checked them on the host anyway.
         values = input_ids.device.type == "cpu" and not torch.compiler.is_compiling()  # as in forward
@@ -146,6 +157,9 @@ class TransformerLM(nn.Module):
         for i, block in enumerate(self.blocks):
             h = block.ln1(x)
             k, v, pos_q, pos_k, valid = cache.update(i, *block.attn.kv(h))
+            if k.dtype != h.dtype or k.device != h.device:  # attention would fail on it with a bare matmul error
+                raise SwitchheadError(f"the cache holds {k.dtype} on {k.device}; the model computes {h.dtype} on "
+                                      f"{h.device}: make the cache with the model's dtype and device")
             x = block.finish(x, h, k, v, pos_q, pos_k, valid)
         return self.out(self.ln_f(x))
 

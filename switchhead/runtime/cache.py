@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from switchhead.devices import check_allocation, out_of_memory
-from switchhead.errors import SwitchheadError
+from switchhead.devices import check_allocation, out_of_memory, resolve_device
+from switchhead.errors import SwitchheadError, brief, is_int
 from switchhead.model.accounting import kv_heads
 from switchhead.model.config import ModelConfig
 
@@ -63,7 +63,7 @@ class XLCache:
             raise SwitchheadError(f"cache dtype must be a floating-point torch.dtype, got {dtype!r}")
         batch = int(batch)
         self.cfg, self.batch, self.T = cfg, batch, cfg.chunk_len
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         shape = (batch, kv_heads(cfg), 2 * self.T, cfg.d_head)
         what = f"the KV cache for {batch} sequence{'s' * (batch > 1)}"
         nbytes = 2 * cfg.n_layers * math.prod(shape) * dtype.itemsize
@@ -87,6 +87,11 @@ class XLCache:
     def reset_row(self, b: int) -> None:
         """Start row `b` over as an empty stream (for servers that reuse rows). Its stale keys/values need no
         clearing: an empty, memory-less row marks every slot invalid (see `begin`)."""
+        if not is_int(b) or not 0 <= b < self.batch:  # -1 would reset the last row, True/None every row
+            raise SwitchheadError(f"row must be an integer in [0, {self.batch}), got {brief(b)}")
+        if self.plan is not None:
+            raise SwitchheadError("XLCache.reset_row inside a step (between begin and commit) would corrupt it; "
+                                  "commit the step first")
         self.fill[b] = 0
         self.cur[b] = 0
         self.has_mem[b] = False
@@ -103,11 +108,11 @@ class XLCache:
     def begin(self, counts: Tensor | list[int], t: int | None = None) -> StepPlan:
         """Plan a step in which row b adds ``counts[b]`` tokens (step width ``t`` >= max count)."""
         if self.plan is not None:
-            raise RuntimeError("XLCache.begin called twice without commit")
-        counts = torch.as_tensor(counts, dtype=torch.long, device=self.device)
+            raise SwitchheadError("XLCache.begin called twice without commit")
+        counts = self._counts(counts)
         t = int(counts.max()) if t is None else t
-        if counts.shape != (self.batch,) or t < 1 or bool((counts < 0).any()) or int(counts.max()) > t:
-            raise SwitchheadError(f"bad step: counts {counts.tolist()} with width {t} for batch {self.batch}")
+        if not is_int(t) or t < 1 or bool((counts < 0).any()) or int(counts.max()) > t:
+            raise SwitchheadError(f"bad step: counts {counts.tolist()} with width {brief(t)} for batch {self.batch}")
         T = self.T
         # Lazy roll-over: a full chunk becomes the memory only once a row actually needs room, so a step
         # that exactly fills a chunk leaves the cache in the same state as the chunked forward leaves it.
@@ -139,9 +144,26 @@ class XLCache:
         self.plan = StepPlan(pos_q, pos_k, valid, past_valid, new_mask, slots, counts)
         return self.plan
 
+    def _counts(self, counts: Tensor | list[int]) -> Tensor:
+        """`counts` as a long tensor [batch] on the cache's device, if they are whole numbers (a float count was
+        truncated)."""
+        if isinstance(counts, Tensor):
+            whole = not (counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool)
+        else:
+            whole = isinstance(counts, (list, tuple)) and all(is_int(c) for c in counts)
+        if not whole or tuple(getattr(counts, "shape", (len(counts),))) != (self.batch,):
+            raise SwitchheadError(f"bad step: counts must be {self.batch} integers (one per row), got {brief(counts)}")
+        return torch.as_tensor(counts, dtype=torch.long, device=self.device)
+
+    def _layer(self, layer: int) -> int:
+        if not is_int(layer) or not 0 <= layer < len(self.keys):  # -1 would be the last layer, silently
+            raise SwitchheadError(f"layer must be an integer in [0, {len(self.keys)}), got {brief(layer)}")
+        return layer
+
     def write(self, layer: int, k_BGtd: Tensor, v_BGtd: Tensor) -> None:
         """Store this step's keys/values of `layer` ([B, heads, t, d_head]); padding slots are dropped."""
         p = self._planned("write")
+        layer = self._layer(layer)
         if k_BGtd.shape[0] != self.batch or k_BGtd.shape[2] != p.pos_q.shape[1]:
             raise SwitchheadError(f"this step was planned for {self.batch} rows of {p.pos_q.shape[1]} tokens; got "
                                   f"{k_BGtd.shape[0]} rows of {k_BGtd.shape[2]}")
@@ -156,6 +178,7 @@ class XLCache:
 
     def window(self, layer: int) -> tuple[Tensor, Tensor]:
         """The whole key window of `layer`, [B, heads, 2T, d_head] each."""
+        layer = self._layer(layer)
         return self.keys[layer], self.values[layer]
 
     def update(self, layer: int, k: Tensor, v: Tensor):
