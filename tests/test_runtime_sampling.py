@@ -246,6 +246,7 @@ def test_repetition_penalty_changes_greedy_choice():
     ("presence_penalty", 2.5), ("presence_penalty", float("inf")), ("frequency_penalty", -2.01),
     ("frequency_penalty", "1"), ("logit_bias", {1: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}),
     ("logit_bias", {True: 1.0}), ("logit_bias", {1: float("nan")}), ("logit_bias", [1, 2]),
+    ("logit_bias", ((5, 100.0), (5, -100.0))),  # pairs naming one id twice: the sort picked the bias
 ])
 def test_bad_parameters_are_user_errors(field, value):
     with pytest.raises(SwitchheadError, match=field.replace("_", "-")):
@@ -289,3 +290,38 @@ def test_stop_string_that_is_not_utf8_is_a_user_error():
         with pytest.raises(SwitchheadError, match="stop string 1 is not valid UTF-8") as e:
             SamplingParams(stop=("fine", stop))
         assert f"({what})" in str(e.value)
+
+
+def test_choose_and_history_refuse_what_would_give_the_wrong_number_of_tokens():
+    p, x = SamplingParams(temperature=1.0, repetition_penalty=1.2), _rows(3, 7)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert choose(x, p, TokenHistory(p, 7, [[1]] * 3), gens).shape == (3,)
+    cases = [
+        # one draw per generator: two generators gave two tokens for three rows
+        (lambda: choose(x, p, None, gens[:2]), r"one torch.Generator per row \(3\), got 2"),
+        (lambda: choose(x, p, None, None), r"one torch.Generator per row \(3\), got NoneType"),
+        (lambda: choose(x, p, None, [1, 2, 3]), "one torch.Generator per row"),
+        (lambda: choose(x, p, TokenHistory(p, 7, [[1]] * 2), gens), "the history holds 2 rows; the logits have 3"),
+        (lambda: choose(x[0], p, None, gens[:1]), r"logits \[B, V\] with B, V >= 1, got \(7,\)"),
+        (lambda: choose(x[:, :0], p, None, gens), r"got \(3, 0\)"),
+        (lambda: choose(x.tolist(), p, None, gens), "got list"),
+        # -1 marked the last token as seen, 1.7 token 1
+        (lambda: TokenHistory(p, 7, [[1, -1]]), r"token id -1 is outside the vocabulary \[0, 7\)"),
+        (lambda: TokenHistory(p, 7, [[1.7]]), "token id 1.7 is outside"),
+        (lambda: TokenHistory(p, 7, "abc"), "prompts must be a list of token-id lists, got str"),
+        (lambda: TokenHistory(p, 7, [5]), "each prompt must be a list of token ids, got int"),
+        (lambda: TokenHistory(p, 0, [[]]), "vocab_size must be an integer >= 1, got 0"),
+        (lambda: TokenHistory({"temperature": 1}, 7, [[]]), "params must be SamplingParams, got dict"),
+        (lambda: TokenHistory(p, 7, [[1]]).add(0, -1), r"a token id in \[0, 7\), got row 0, token -1"),
+        (lambda: TokenHistory(p, 7, [[1]]).add(1, 2), r"a row in \[0, 1\)"),
+        (lambda: TokenHistory(p, 7, [[1]]).add(0, 2.0), "token 2.0"),
+    ]
+    for call, message in cases:
+        with pytest.raises(SwitchheadError, match=message):
+            call()
+    # greedy choice draws nothing, so it needs no generators
+    greedy = SamplingParams(temperature=0)
+    assert choose(x, greedy, None, None).tolist() == x.argmax(-1).tolist()
+    # a tuple of ids (or a tensor row) is a prompt as a list is
+    h = TokenHistory(p, 7, [(1, 2), torch.tensor([3])])
+    assert h.seen.nonzero().tolist() == [[0, 1], [0, 2], [1, 3]]

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from switchhead.errors import SwitchheadError, is_finite_number, is_int
+from switchhead.model.lm import check_ids
 
 SEED_LIMIT = 1 << 64  # seeds are in [0, SEED_LIMIT): torch.Generator.manual_seed overflows beyond
 
@@ -129,12 +130,16 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...] | None:
     if not isinstance(bias, (Mapping, tuple)):
         raise SwitchheadError(f"logit-bias must map token ids to numbers, got {type(bias).__name__}")
     pairs = tuple(bias.items()) if isinstance(bias, Mapping) else bias
+    seen = set()
     for entry in pairs:
         if not (isinstance(entry, tuple) and len(entry) == 2):
             raise SwitchheadError(f"logit-bias must map token ids to numbers, got {entry!r}")
         tok, value = entry
         if not is_int(tok) or tok < 0:
             raise SwitchheadError(f"logit-bias keys must be token ids (integers >= 0), got {tok!r}")
+        if tok in seen:  # as pairs, one id may come twice: which bias applies would be an accident of sorting
+            raise SwitchheadError(f"logit-bias names token {tok} twice")
+        seen.add(tok)
         if not _in_range(value, MAX_BIAS):
             raise SwitchheadError(f"logit-bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r} for "
                                   f"token {tok}")
@@ -173,7 +178,21 @@ class TokenHistory:
     tokens). Only what `params` uses is kept; with none of them `active` is False and `adjust` is the identity."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, prompts: Sequence[Sequence[int]]):
-        self.params, rows = params, len(prompts)
+        if not isinstance(params, SamplingParams):
+            raise SwitchheadError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not is_int(vocab_size) or vocab_size < 1:
+            raise SwitchheadError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+        if isinstance(prompts, (str, bytes, Tensor)) or not isinstance(prompts, Sequence):
+            raise SwitchheadError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        prompts = [ids.tolist() if isinstance(ids, Tensor) and ids.dim() == 1 else
+                   list(ids) if not isinstance(ids, (str, bytes)) and isinstance(ids, Sequence) else ids
+                   for ids in prompts]
+        for ids in prompts:
+            if not isinstance(ids, list):
+                raise SwitchheadError(f"each prompt must be a list of token ids, got {type(ids).__name__}")
+        check_ids(prompts, vocab_size)  # -1 would mark the last token seen, 1.7 token 1
+        self.params, self.rows, self.vocab_size = params, len(prompts), vocab_size
+        rows = self.rows
         self.seen = self.counts = self.bias = None
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool)
@@ -190,6 +209,11 @@ class TokenHistory:
 
     def add(self, row: int, token: int) -> None:
         """Row `row` generated `token`."""
+        if not self.active:
+            return
+        if not is_int(row) or not 0 <= row < self.rows or not is_int(token) or not 0 <= token < self.vocab_size:
+            raise SwitchheadError(f"TokenHistory.add needs a row in [0, {self.rows}) and a token id in "
+                                  f"[0, {self.vocab_size}), got row {row!r}, token {token!r}")
         if self.seen is not None:
             self.seen[row, token] = True
         if self.counts is not None:
@@ -270,6 +294,17 @@ def choose(logits: Tensor, params: SamplingParams, history: TokenHistory | None,
            generators: list[torch.Generator] | None) -> Tensor:
     """Next token per row [B] from the last-position logits [B, V]; `history` holds the rows' past tokens for
     the penalties (None or inactive: none apply)."""
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or 0 in logits.shape:
+        raise SwitchheadError(f"choose needs last-position logits [B, V] with B, V >= 1, got "
+                              f"{tuple(getattr(logits, 'shape', ())) or type(logits).__name__}")
+    rows = logits.shape[0]
+    if history is not None and history.rows != rows:
+        raise SwitchheadError(f"the history holds {history.rows} rows; the logits have {rows}")
+    if params.temperature != 0 and (not isinstance(generators, Sequence) or len(generators) != rows
+                                    or not all(isinstance(g, torch.Generator) for g in generators)):
+        # one draw per generator: a wrong count gave as many tokens as generators, not as rows
+        raise SwitchheadError(f"sampling needs one torch.Generator per row ({rows}), got "
+                              f"{len(generators) if isinstance(generators, Sequence) else type(generators).__name__}")
     if history is not None and not history.active:
         history = None
     if params.temperature == 0:  # without a penalty nothing can overflow: no float64 copy per decode step
