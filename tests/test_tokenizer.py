@@ -16,6 +16,7 @@ from switchhead.model.tokenizer import (
     save_tokenizer,
     tokenizer_fingerprint,
     train_tokenizer,
+    unwrap_paragraphs,
 )
 
 
@@ -200,3 +201,41 @@ def test_round_trip_of_arbitrary_unicode(sp):
     long_line = "the quick brown fox " * 5000 + "\x00\x1b[0m"
     assert sp.decode(sp.encode(long_line)) == long_line
     assert sp.decode(sp.encode("a \u2581 b")) == "a   b"
+
+
+def test_one_path_is_one_file_and_values_of_the_wrong_kind_are_refused(sp, tmp_path):
+    import sentencepiece as spm
+
+    path = _corpus(tmp_path / "a.txt")
+    # one str or Path is one training file (iterated, a str was its characters)
+    assert train_tokenizer(str(path), vocab_size=400).serialized_model_proto() == sp.serialized_model_proto()
+    assert train_tokenizer(path, vocab_size=400).serialized_model_proto() == sp.serialized_model_proto()
+    # one str is one document, not one per character
+    assert encode_documents(sp, ["the fox"]).tolist() == sp.encode("the fox") + [sp.eos_id()]
+    empty = spm.SentencePieceProcessor()
+    cases = [
+        (lambda: train_tokenizer([path], vocab_size=400.0), "vocab size must be an integer of at least 300 "
+                                                           "(byte fallback), got 400.0"),
+        (lambda: train_tokenizer([path], vocab_size="400"), "got '400'"),
+        (lambda: train_tokenizer([path], vocab_size=400, max_sentences=0), "max_sentences must be an integer >= 1"),
+        (lambda: train_tokenizer([path], vocab_size=400, seed=1.5), "seed must be an integer"),
+        (lambda: train_tokenizer([path], vocab_size=400, num_threads=0), "threads must be an integer"),
+        (lambda: train_tokenizer([path], vocab_size=400, unwrap="no"), "unwrap must be True or False, got 'no'"),
+        (lambda: train_tokenizer(5, vocab_size=400), "training files must be a file path"),
+        (lambda: encode_documents(sp, "the fox"), "documents must be an iterable of texts (one str is not)"),
+        (lambda: encode_documents(sp, ["a", 5]), "each document must be a str, got int"),
+        (lambda: encode_documents(None, ["a"]), "the tokenizer must be a sentencepiece.SentencePieceProcessor"),
+        (lambda: encode_documents(empty, ["a"]), "the tokenizer has no model loaded"),
+        (lambda: encode_file(empty, path), "the tokenizer has no model loaded"),
+        (lambda: encode_file(sp, path, unwrap="no"), "unwrap must be True or False"),
+        (lambda: encode_file(sp, path, split_blank_lines="no"), "split_blank_lines must be True or False"),
+        (lambda: encode_file(sp, None), "the text file must be a str or Path, got NoneType"),
+        (lambda: save_tokenizer(empty, tmp_path / "empty.model"), "the tokenizer has no model loaded"),
+        (lambda: save_tokenizer(sp, None), "the tokenizer path must be a str or Path"),
+        (lambda: load_tokenizer(None), "the tokenizer path must be a str or Path, got NoneType"),
+        (lambda: unwrap_paragraphs(None), "unwrap_paragraphs needs text (a str), got NoneType"),
+    ]
+    for call, message in cases:
+        with pytest.raises(SwitchheadError, match=re.escape(message)):
+            call()
+    assert not (tmp_path / "empty.model").exists()  # an empty processor wrote a zero-byte model file

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from switchhead.errors import SwitchheadError
-from switchhead.fileio import read_utf8, write_atomic
+from switchhead.devices import check_threads
+from switchhead.errors import SwitchheadError, is_int
+from switchhead.fileio import as_path, read_utf8, text_paths, write_atomic
 
 NEWLINE = "\n"
 UNK_ID, EOS_ID = 0, 1
@@ -45,6 +46,8 @@ def unwrap_paragraphs(text: str) -> str:
     Books from Project Gutenberg break lines every ~70 characters. Trained verbatim, a model spends its
     probability on line breaks that never occur in prompts or benchmark text, so training can opt into this.
     """
+    if not isinstance(text, str):
+        raise SwitchheadError(f"unwrap_paragraphs needs text (a str), got {type(text).__name__}")
     # CRLF (many Gutenberg books) and lone CR (old Mac files) break lines too; split on "\n" alone, a CR-only
     # file would be one paragraph that keeps every break.
     text = text.replace("\r\n", "\n").replace("\r", "\n")
@@ -63,6 +66,23 @@ def check_tokenizer(sp: object, vocab_size: int, what: str = "the tokenizer",
         raise error(f"{what} {problem}")
 
 
+def _check_processor(sp: object) -> None:
+    """A `SwitchheadError` unless `sp` is a SentencePiece processor with a model loaded (an empty one fails every
+    call with SentencePiece's "Model is not initialized" and serialises to zero bytes)."""
+    if not isinstance(sp, spm.SentencePieceProcessor):
+        raise SwitchheadError(f"the tokenizer must be a sentencepiece.SentencePieceProcessor (e.g. what "
+                              f"load_tokenizer returns), got {type(sp).__name__}")
+    if not sp.serialized_model_proto():  # (get_piece_size would log an error line of SentencePiece's own)
+        raise SwitchheadError("the tokenizer has no model loaded (load one with load_tokenizer or train one)")
+
+
+def _check_flags(**flags: object) -> None:
+    """One line for an option that must be True or False (a string such as "no" is truthy)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise SwitchheadError(f"{name} must be True or False, got {value!r}")
+
+
 def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | None:
     """Why `sp` cannot go with a model of `vocab_size` outputs (its ids would index the wrong embedding rows), as
     the end of a sentence naming the tokenizer; None if it can."""
@@ -73,7 +93,8 @@ def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | Non
 def read_text(path: str | Path, *, unwrap: bool = False) -> str:
     """The text of a UTF-8 file; anything else is refused: replacing bad bytes would silently train on U+FFFD
     (and a binary file would look like a few tokens of text)."""
-    text = read_utf8(path)  # without a leading byte-order mark (common in UTF-8 books)
+    _check_flags(unwrap=unwrap)
+    text = read_utf8(as_path(path, "the text file"))  # without a leading byte-order mark (common in UTF-8 books)
     return unwrap_paragraphs(text) if unwrap else text
 
 
@@ -117,11 +138,17 @@ def train_tokenizer(
     `vocab_size` is an upper bound: on small corpora SentencePiece stops early, so read the real size from
     ``sp.get_piece_size()``. Use `save_tokenizer` to write the model file.
     """
-    files = [Path(f) for f in files]
-    if vocab_size < MIN_VOCAB_SIZE:
+    files = text_paths(files, "the tokenizer's training files")
+    if not is_int(vocab_size) or vocab_size < MIN_VOCAB_SIZE:
         raise SwitchheadError(
-            f"vocab size must be at least {MIN_VOCAB_SIZE} (byte fallback), got {vocab_size}"
+            f"vocab size must be an integer of at least {MIN_VOCAB_SIZE} (byte fallback), got {vocab_size!r}"
         )
+    if not is_int(max_sentences) or max_sentences < 1:  # 0 read as "the data files contain no text"
+        raise SwitchheadError(f"max_sentences must be an integer >= 1, got {max_sentences!r}")
+    if not is_int(seed):
+        raise SwitchheadError(f"seed must be an integer, got {seed!r}")
+    check_threads(num_threads)
+    _check_flags(unwrap=unwrap)
     sentences = _training_sentences(files, max_sentences, seed, unwrap)
     if not sentences:
         raise SwitchheadError("cannot train a tokenizer: the data files contain no text")
@@ -164,11 +191,12 @@ def train_tokenizer(
 
 def save_tokenizer(sp: spm.SentencePieceProcessor, path: str | Path) -> None:
     """Write the model file atomically (temp file + rename)."""
-    write_atomic(path, sp.serialized_model_proto())
+    _check_processor(sp)  # an empty processor wrote a zero-byte file
+    write_atomic(as_path(path, "the tokenizer path"), sp.serialized_model_proto())
 
 
 def load_tokenizer(path: str | Path) -> spm.SentencePieceProcessor:
-    path = Path(path)
+    path = as_path(path, "the tokenizer path")
     if not path.is_file():
         raise SwitchheadError(f"tokenizer model not found: {path}")
     sp = spm.SentencePieceProcessor()
@@ -198,6 +226,15 @@ def encode(sp: spm.SentencePieceProcessor, text: str) -> list[int]:
 
 def encode_documents(sp: spm.SentencePieceProcessor, documents: Iterable[str]) -> np.ndarray:
     """One token stream: every document's ids followed by EOS (the document separator)."""
+    _check_processor(sp)
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, Iterable):
+        # iterated, one string would be as many documents as it has characters
+        raise SwitchheadError(f"documents must be an iterable of texts (one str is not), got "
+                              f"{type(documents).__name__}")
+    documents = list(documents)
+    for doc in documents:
+        if not isinstance(doc, str):
+            raise SwitchheadError(f"each document must be a str, got {type(doc).__name__}")
     parts = [np.asarray(sp.encode(doc) + [sp.eos_id()], dtype=token_dtype(sp)) for doc in documents]
     if not parts:
         return np.zeros(0, dtype=token_dtype(sp))
@@ -208,6 +245,7 @@ def iter_documents(
     path: str | Path, *, split_blank_lines: bool = False, unwrap: bool = False
 ) -> Iterator[str]:
     """The documents of a text file: the whole file, or its blank-line separated blocks."""
+    _check_flags(split_blank_lines=split_blank_lines)
     text = read_text(path, unwrap=unwrap)
     if not split_blank_lines:
         yield text
@@ -227,4 +265,5 @@ def encode_file(
     sp: spm.SentencePieceProcessor, path: str | Path, *, split_blank_lines: bool = False, unwrap: bool = False
 ) -> np.ndarray:
     """The token stream of one file (a file is one document unless `split_blank_lines`)."""
+    _check_processor(sp)  # before the file is read
     return encode_documents(sp, iter_documents(path, split_blank_lines=split_blank_lines, unwrap=unwrap))
