@@ -13,6 +13,8 @@ from switchhead.model.accounting import (
     count_params,
     kv_cache_bytes_per_token,
     match_params,
+    summary,
+    xl_memory_bytes_per_token,
 )
 from switchhead.model.config import resolve_config
 
@@ -330,3 +332,38 @@ def test_match_params_for_rope_and_coarse_valid_values():
     assert m.d_head % 4 == 0 and gap(m, m.d_head) <= min(gap(m, m.d_head - 4), gap(m, m.d_head + 4))
     m = match_params(PRESETS["tiny-transformer"], target, valid=lambda v: v % 16 == 0)
     assert m.d_head % 16 == 0 and gap(m, m.d_head) <= min(gap(m, m.d_head - 16), gap(m, m.d_head + 16))
+
+
+def test_accounting_refuses_values_of_the_wrong_kind():
+    cfg = PRESETS["tiny-switchhead"]
+    for f in (count_params, attention_macs, attention_memory, kv_cache_bytes_per_token, xl_memory_bytes_per_token,
+              summary):
+        for bad in (None, "tiny-switchhead", cfg.to_dict()):
+            with pytest.raises(ConfigError, match=r"expected a ModelConfig \(e.g. PRESETS\[name\]\), got"):
+                f(bad)
+    for f in (kv_cache_bytes_per_token, xl_memory_bytes_per_token):
+        for n in ("x", 0, -4, 2.5, True):  # "x" came back as a repeated string
+            with pytest.raises(ConfigError, match="bytes_per_element must be an integer >= 1"):
+                f(cfg, n)
+        assert f(cfg, 2) * 2 == f(cfg, 4)
+    for target in (0, True, "123456", 1.5e6, None):
+        with pytest.raises(ConfigError, match="target must be a parameter count"):
+            match_params(cfg, target)
+    with pytest.raises(ConfigError, match="d_ff sets no parameter of a sigma_moe feedforward"):
+        match_params(PRESETS["tiny-switchall"], 10**6, field="d_ff")
+    with pytest.raises(ConfigError, match="valid must be a function"):
+        match_params(cfg, 10**6, valid=4)
+    with pytest.raises(ConfigError, match="expected a ModelConfig"):
+        match_params("tiny-switchhead", 10**6)
+
+
+def test_replace_and_from_json_refuse_in_one_line():
+    cfg = PRESETS["tiny-switchhead"]
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): bogus, n_hedas$"):
+        cfg.replace(n_hedas=3, bogus=1)
+    assert cfg.replace(n_heads=3).n_heads == 3
+    for text, message in [(None, "JSON must be text, got NoneType"), (5, "got int"),
+                          ("[" * 100_000 + "]" * 100_000, "nested too deeply"), (b"\xff{}", "not UTF-8 text")]:
+        with pytest.raises(ConfigError, match=message):
+            ModelConfig.from_json(text)
+    assert ModelConfig.from_json(cfg.to_json().encode()) == cfg

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from switchhead.errors import ConfigError
+from switchhead.errors import ConfigError, is_int
 from switchhead.model.config import ModelConfig
 
 # Figures printed in the paper for its configurations (attention MACs and memory in floats, per layer and
@@ -23,11 +23,25 @@ PAPER_FIGURES: dict[str, dict[str, float | None]] = {
 }
 
 
+def _config(config: object) -> ModelConfig:
+    """`config` if it is a ModelConfig (a preset's name or a dict failed on a missing attribute)."""
+    if not isinstance(config, ModelConfig):
+        raise ConfigError(f"expected a ModelConfig (e.g. PRESETS[name]), got {type(config).__name__}")
+    return config
+
+
+def _element_bytes(n: object) -> int:
+    if not is_int(n) or n < 1:  # a string came back repeated, 0 or a fraction as a size
+        raise ConfigError(f"bytes_per_element must be an integer >= 1, got {n!r}")
+    return n
+
+
 def count_params(config: ModelConfig) -> dict[str, int]:
     """Parameters per component (embedding, attention, feedforward, norms, output) and the total.
 
     Counted from the real module tree built on the meta device, so it can never drift from the model; the
     layers are identical, so a one- and a two-layer model give every count for any depth."""
+    _config(config)
     one, two = (_count_built(config.replace(n_layers=n)) for n in (1, 2))
     return {k: one[k] + (config.n_layers - 1) * (two[k] - one[k]) for k in one}
 
@@ -57,7 +71,7 @@ def attention_macs(config: ModelConfig) -> int:
     """Multiply-accumulates of one attention layer for one sequence of T tokens (paper appendix formulas). Their
     last term projects the C*T relative positions (Transformer-XL); RoPE has no such projection, so its models
     count without it (the rotation itself, a few element-wise products, is left out as in the paper)."""
-    h, t, dh, d, k = config.n_heads, config.chunk_len, config.d_head, config.d_model, config.k
+    h, t, dh, d, k = _config(config).n_heads, config.chunk_len, config.d_head, config.d_model, config.k
     c = 1 + config.mem_chunks
     pos = 2 * c * t * dh * d if config.positional == "xl" else 0
     if config.attention == "dense":
@@ -73,7 +87,7 @@ def attention_macs(config: ModelConfig) -> int:
 def attention_memory(config: ModelConfig) -> int:
     """Floats of attention state of one layer for one sequence (paper appendix formulas; the projected relative
     positions, their last term, only for Transformer-XL positions)."""
-    h, t, dh = config.n_heads, config.chunk_len, config.d_head
+    h, t, dh = _config(config).n_heads, config.chunk_len, config.d_head
     c = 1 + config.mem_chunks
     pos = 2 * c * t * dh if config.positional == "xl" else 0
     if config.attention == "moa":
@@ -94,21 +108,28 @@ def cache_layout(config: ModelConfig) -> tuple[int, int, int, int, bool]:
 
 def kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:
     """Generation cache per token, all layers: K and V after projection."""
-    return 2 * kv_heads(config) * config.d_head * config.n_layers * bytes_per_element
+    return 2 * kv_heads(_config(config)) * config.d_head * config.n_layers * _element_bytes(bytes_per_element)
 
 
 def xl_memory_bytes_per_token(config: ModelConfig, bytes_per_element: int = 4) -> int:
     """Training-time XL memory per token: one d_model layer input per layer (0 without memory)."""
-    return config.mem_chunks * config.d_model * config.n_layers * bytes_per_element
+    return _config(config).mem_chunks * config.d_model * config.n_layers * _element_bytes(bytes_per_element)
 
 
 def match_params(config: ModelConfig, target: int | ModelConfig, field: str = "d_head",
                  valid: Callable[[int], bool] | None = None) -> ModelConfig:
     """Return `config` with integer `field` (d_head or d_ff) chosen so that its total parameter count is as
     close as possible to `target` (a count or another config), among the values `valid` accepts."""
+    _config(config)
     if field not in ("d_head", "d_ff"):
         raise ConfigError(f"can only match parameters by d_head or d_ff, not {field!r}")
-    goal = count_params(target)["total"] if isinstance(target, ModelConfig) else int(target)
+    if field == "d_ff" and config.ff != "dense":  # no parameter depends on it: any value would be "closest"
+        raise ConfigError(f"d_ff sets no parameter of a {config.ff} feedforward; match by d_head")
+    if not isinstance(target, ModelConfig) and (not is_int(target) or target < 1):
+        raise ConfigError(f"target must be a parameter count (an integer >= 1) or a ModelConfig, got {target!r}")
+    if valid is not None and not callable(valid):
+        raise ConfigError(f"valid must be a function of the value, got {type(valid).__name__}")
+    goal = count_params(target)["total"] if isinstance(target, ModelConfig) else target
     # RoPE refuses a d_head that is no multiple of 4, so the search only ever builds multiples of 4.
     step = 4 if field == "d_head" and config.positional == "rope" else 1
     ok = valid or (lambda v: True)
@@ -137,6 +158,7 @@ def match_params(config: ModelConfig, target: int | ModelConfig, field: str = "d
 
 def summary(config: ModelConfig) -> dict:
     """Everything `switchhead info` prints, as plain JSON-able data."""
+    _config(config)
     macs, floats = attention_macs(config), attention_memory(config)
     paper = PAPER_FIGURES.get(config.name, {})
     return {

@@ -126,6 +126,7 @@ class ModelConfig:
         return self.chunk_len * (1 + self.mem_chunks)
 
     def replace(self, **changes) -> ModelConfig:
+        _refuse_unknown(changes)  # dataclasses.replace raises a bare TypeError
         return dataclasses.replace(self, **changes)
 
     # --- JSON --------------------------------------------------------------------------------------------
@@ -141,19 +142,29 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"a model config must be a JSON object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(repr(k) if not isinstance(k, str) else k for k in set(d) - known)  # a dict may hold any key
-        if unknown:
-            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
+        _refuse_unknown(d)
         return cls(**d)
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ConfigError(f"a model config's JSON must be text, got {type(text).__name__}")
         try:
             d = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
         except json.JSONDecodeError as e:
             raise ConfigError(f"config is not valid JSON: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config is not UTF-8 text: {e.reason} at byte {e.start}") from None
+        except RecursionError:  # thousands of nested brackets
+            raise ConfigError("config is not a model config: its JSON is nested too deeply") from None
         return cls.from_dict(d)
+
+
+def _refuse_unknown(d: dict) -> None:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(repr(k) if not isinstance(k, str) else k for k in set(d) - known)  # a dict may hold any key
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}")
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
