@@ -19,7 +19,7 @@ from switchhead import PRESETS, TransformerLM
 from switchhead.cli import main
 from switchhead.errors import SwitchheadError
 from switchhead.runtime import Backend, Detokenizer, Generator, SamplingParams, StopText, TorchBackend, XLCache
-from switchhead.runtime.commands import run_generate
+from switchhead.runtime.commands import load_generator, read_prompts_file, run_generate
 
 
 @pytest.fixture(scope="module")
@@ -590,3 +590,37 @@ def test_cli_empty_model_path_is_not_the_builtin_model(flag, message):
     r = _run([flag, "", "hi"])
     assert r.exit_code == 2 and r.stdout == "", r.output
     assert r.stderr.startswith(f"Error: {message}") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_run_generate_refuses_bad_arguments_before_loading_the_model(tmp_path):
+    """Each is refused before the model is read: the checkpoint does not even exist (else its error would come)."""
+    missing, p = str(tmp_path / "nothing"), SamplingParams(max_new_tokens=1)
+    cases = [
+        (dict(batch_size=1.5), "batch-size must be an integer >= 1, got 1.5"),  # failed after loading
+        (dict(batch_size=0), "batch-size must be an integer >= 1, got 0"),
+        (dict(as_json="no"), "as_json must be True or False, got 'no'"),
+        (dict(params={"temperature": 0}), "params must be SamplingParams, got dict"),
+        (dict(prompt=["a", "b"]), "the prompt must be a str (several go in a prompts file), got list"),
+        (dict(write=None), "write must be a function taking text, got NoneType"),
+    ]
+    for change, message in cases:
+        args = dict(prompt="hi", ckpt=missing, params=p, prompts_file=None, as_json=False, device=None,
+                    batch_size=1, write=print)
+        args.update(change)
+        with pytest.raises(SwitchheadError, match=re.escape(message)):
+            run_generate(**args)
+    with pytest.raises(SwitchheadError, match="--prompts-file must be a str or Path, got int"):
+        read_prompts_file(5)
+
+
+def test_load_generator_applies_threads_to_a_checkpoint(ckpt):
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        load_generator(ckpt, threads=want)  # was accepted and ignored for a PyTorch model
+        assert torch.get_num_threads() == want
+        for bad in (0, 2.0, "2"):
+            with pytest.raises(SwitchheadError, match="threads must be an integer between 1 and"):
+                load_generator(ckpt, threads=bad)
+    finally:
+        torch.set_num_threads(before)

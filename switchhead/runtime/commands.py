@@ -7,9 +7,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from switchhead.devices import resolve_device
-from switchhead.errors import SwitchheadError
-from switchhead.fileio import read_utf8
+from switchhead.devices import check_threads, resolve_device, set_threads
+from switchhead.errors import SwitchheadError, brief, is_int
+from switchhead.fileio import as_path, read_utf8
 from switchhead.runtime.backends import TorchBackend
 from switchhead.runtime.engine import Generator
 from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plus
@@ -18,11 +18,14 @@ from switchhead.runtime.sampling import SamplingParams, seed_or_random, seed_plu
 def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | None = None,
                    threads: int | None = None) -> Generator:
     """A generator over a checkpoint (default: the built-in model) or an ONNX export; `threads`: ONNX Runtime's
-    intra-op threads for an export (None: its default; torch's are the process's, see devices.set_threads)."""
+    intra-op threads for an export, torch's (which are the process's: devices.set_threads) for a checkpoint; None
+    leaves either's default."""
     from switchhead.model.checkpoint import load
 
     if ckpt is not None and onnx_dir is not None:
         raise SwitchheadError("give --ckpt or --onnx, not both")
+    if threads is not None:
+        check_threads(threads)
     # Checked also for an export, which picks its own provider: a mistyped device must not pass unnoticed.
     device = resolve_device(device)
     if onnx_dir is not None:
@@ -34,6 +37,7 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
         if backend.tokenizer is None:
             raise SwitchheadError(f"{onnx_dir} has no tokenizer.model; generation needs one to read text")
         return Generator(backend, backend.tokenizer)
+    set_threads(threads)
     model, tokenizer = load(ckpt, device=device)  # no ckpt: the built-in default model
     if tokenizer is None:
         raise SwitchheadError(f"checkpoint {ckpt} has no tokenizer.model; generation needs one to read text")
@@ -43,7 +47,7 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
 def read_prompts_file(path: str | Path) -> list[tuple[int, str]]:
     """(line number, prompt) for the prompts of a file: one per non-blank line, or JSONL objects with a "prompt"
     field (decided by whether the first non-blank line is a JSON object)."""
-    path = Path(path)
+    path = as_path(path, "--prompts-file")
     lines = [(n, ln) for n, ln in enumerate(read_utf8(path).splitlines(), 1) if ln.strip()]
     if not lines:
         raise SwitchheadError(f"prompts file {path} has no prompts")
@@ -72,8 +76,16 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
                  as_json: bool, device: str | None, batch_size: int, write: Callable[[str], None],
                  stdin=None, onnx_dir: str | None = None, threads: int | None = None) -> None:
     """Validate everything that can be checked cheaply before loading the model, then generate."""
-    if batch_size < 1:
-        raise SwitchheadError(f"batch-size must be >= 1, got {batch_size}")
+    if not is_int(batch_size) or batch_size < 1:  # 1.5 failed only once the model was loaded
+        raise SwitchheadError(f"batch-size must be an integer >= 1, got {brief(batch_size)}")
+    if not isinstance(params, SamplingParams):
+        raise SwitchheadError(f"params must be SamplingParams, got {type(params).__name__}")
+    if not isinstance(as_json, bool):  # "no" is truthy
+        raise SwitchheadError(f"as_json must be True or False, got {brief(as_json)}")
+    if prompt is not None and not isinstance(prompt, str):
+        raise SwitchheadError(f"the prompt must be a str (several go in a prompts file), got {type(prompt).__name__}")
+    if not callable(write):
+        raise SwitchheadError(f"write must be a function taking text, got {type(write).__name__}")
     if prompt is not None and prompts_file:
         raise SwitchheadError("give a PROMPT or --prompts-file, not both")
     numbered = read_prompts_file(prompts_file) if prompts_file else None
