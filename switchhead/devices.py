@@ -27,7 +27,9 @@ def native_half(dtype: torch.dtype) -> bool:
     """Does this CPU multiply `dtype` (bfloat16 or float16) natively: AVX512-BF16 / AMX-BF16, AVX512-FP16 /
     AMX-FP16? Without, PyTorch's CPU half-precision matrix products take a slow generic route (a switchhead-small
     training step under bf16 autocast took 26x float32's time on an AVX2 machine: docs/BENCHMARKS.md)."""
-    wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}[dtype]
+    wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}.get(dtype)
+    if wanted is None:
+        raise SwitchheadError(f"native_half asks about torch.bfloat16 or torch.float16, got {brief(dtype)}")
     return any(flag in _cpu_flags() for flag in wanted)
 
 
@@ -62,11 +64,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _as_device(device: object) -> torch.device:
+    """`device` as a torch.device: one, or its name ("cpu", "cuda:0"), which had no `.type`."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise SwitchheadError(f"expected a torch.device or a device name, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise SwitchheadError(f"unknown device {device!r}: {e}") from None
+
+
 def memory(device: torch.device, available: bool = False) -> tuple[int, str] | None:
     """The memory a model on `device` draws from, in bytes, and a phrase saying so for messages: the whole of it,
     or with `available` what can be had now without swapping (Linux MemAvailable; free memory on a GPU). None
     where there is no way to ask. Up-front checks against it turn an allocation that would end in a traceback,
     or in the out-of-memory killer once the pages are touched, into one line."""
+    device = _as_device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Blocks PyTorch's caching allocator holds but no tensor uses are free to us, not to the driver.
@@ -89,6 +104,8 @@ def memory(device: torch.device, available: bool = False) -> tuple[int, str] | N
 def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
     """Refuse in one line what cannot fit: past torch's int64 sizes, or more than `device` has available now. A
     large tensor allocated piece by piece is granted beyond that and only fails when its pages are touched."""
+    if not is_int(nbytes) or nbytes < 0:
+        raise SwitchheadError(f"{what}: a size in bytes must be an integer >= 0, got {brief(nbytes)}")
     if nbytes >= 2**63:
         raise SwitchheadError(f"{what} would need more than 2**63 bytes")
     mem = memory(device, available=True)

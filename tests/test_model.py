@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from switchhead import PRESETS, ModelConfig, TransformerLM
+from switchhead.errors import SwitchheadError
 from switchhead.kernels import expert_projection
 from switchhead.model.layers import ATTENTION, Block, SigmaMoE, moe_project, select_topk
 
@@ -413,3 +414,10 @@ def test_deepcopy_after_a_training_forward():
     assert torch.equal(copied.aux_loss(), model.aux_loss().detach())
     assert copied._sigma_moe[0] is copied.blocks[0].ff
     model.aux_loss().backward()  # the original's graph is untouched
+
+
+def test_record_attention_takes_a_bool():
+    model = TransformerLM(PRESETS["tiny-switchhead"])
+    with pytest.raises(SwitchheadError, match="record_attention takes True or False, got 'no'"):
+        model.record_attention("no")  # was truthy: recording switched on
+    assert not any(block.attn.record for block in model.blocks)

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from switchhead.devices import out_of_memory
 from switchhead.errors import ConfigError, SwitchheadError
 from switchhead.model.accounting import cache_layout
 from switchhead.model.config import ModelConfig
@@ -74,10 +75,19 @@ class TransformerLM(nn.Module):
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"TransformerLM needs a ModelConfig (e.g. PRESETS[name]), got {type(config).__name__}")
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model)
-        self.out = nn.Linear(config.d_model, config.vocab_size)
+        try:
+            self.embed = nn.Embedding(config.vocab_size, config.d_model)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.ln_f = nn.LayerNorm(config.d_model)
+            self.out = nn.Linear(config.d_model, config.vocab_size)
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
+            from switchhead.model.accounting import count_params
+
+            total, dtype = count_params(config)["total"], torch.get_default_dtype()
+            raise ConfigError(f"a model of this config has {total:,} parameters, which could not be allocated "
+                              f"({total * dtype.itemsize / 2**30:,.4g} GiB in {dtype})") from None
         self.drop = nn.Dropout(config.dropout)
         self._aux: Tensor | None = None
         self._sigma_moe = [m for m in self.modules() if isinstance(m, SigmaMoE)]  # found once, not per forward
@@ -175,6 +185,8 @@ class TransformerLM(nn.Module):
     def record_attention(self, on: bool = True) -> None:
         """Keep each layer's attention probabilities and expert choices of the next forward in
         `block.attn.last_probs` / `block.attn.last_routes` (see `AttentionBase`)."""
+        if not isinstance(on, bool):  # "no" would switch recording on
+            raise SwitchheadError(f"record_attention takes True or False, got {on!r}")
         for block in self.blocks:
             block.attn.record = on
             block.attn.last_probs = None
