@@ -1798,3 +1798,43 @@ def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend
     assert dispatched and torch.equal(torch.autograd.forward_ad.unpack_dual(got).primal, want)
     meta = [t.to("meta") for t in (x, w, index)] + [gate.to("meta") if gate is not None else None]
     assert project(*meta, shape.n_out).shape == want.shape  # the op's fake implementation, not the CPU paths
+
+
+def _dense_n(n_in: int, slots: int, n_out: int, experts: int, d_in: int, d_out: int, start: int = 2) -> int:
+    """A token count from `start` on for which the PyTorch paths pick the dense regime, forward and backward, on
+    this CPU."""
+    return next(n for n in range(start, 2000) if all(
+        torch_paths.choose_regime(n, n_in, slots, n_out, experts, d_in, d_out, backward) == "dense"
+        for backward in (False, True)))
+
+
+@pytest.mark.parametrize("n_in,n_out", [(1, 2), (2, 1), (1, 1)])
+def test_a_non_finite_expert_that_no_token_chose_stays_out_of_every_result(n_in, n_out, backend):
+    """The dense regime multiplies every expert before zero coefficients drop the unchosen ones, and 0 * nan is
+    nan: a dead (or uninitialised) expert made the whole batch's output and input gradient nan. The formula never
+    reads it, so every result matches the float64 loop."""
+    backend("torch")
+    shape = Shape(_dense_n(n_in, 4, n_out, 3, 12, 8), n_in, 4, n_out, 3, 12, 8, routing="some_empty")
+    exact, cast = make(shape)  # only experts 0 and 2 are chosen
+    for w in (exact[1], cast[1]):
+        w[1] = float("nan")
+    x, w, index, gate, grad = (t.clone().requires_grad_(t.is_floating_point()) for t in cast)
+    out = expert_projection(x, w, index, gate, shape.n_out)
+    got = [out.detach(), *torch.autograd.grad(out, [x, w, gate], grad)]
+    assert_matches(got, naive_all(shape, exact), torch.float32)
+
+
+def test_a_non_finite_input_row_stays_out_of_the_rows_that_do_not_read_it(backend):
+    """Dense mixes a token's input rows before zero coefficients separate them: an inf in one row turned the
+    token's other output rows (which never read it) into nan."""
+    backend("torch")
+    # a few dozen tokens: with a handful the nan did not always show
+    shape = Shape(_dense_n(4, 4, 2, 3, 8, 8, start=40), 4, 4, 2, 3, 8, 8)
+    exact, cast = make(shape)
+    exact[0][0, 3, 0] = cast[0][0, 3, 0] = float("inf")  # read by output row 1 of token 0 only
+    got = expert_projection(*cast[:4], shape.n_out)
+    want = naive(*exact[:4], shape.n_out)
+    finite = torch.isfinite(want)
+    assert not finite[0, 1].all() and finite[0, 0].all() and finite[1:].all()
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got.double()[finite], want[finite], rtol=2e-5, atol=1e-4)

@@ -1038,15 +1038,28 @@ def _widened(x: Tensor, widen: bool | None) -> bool:
 
 
 def _plan_call(x: Tensor, weight: Tensor, index: Tensor, n_out: int, backward: bool, regime: Regime | None,
-               widen: bool | None) -> tuple[Regime, bool, Tensor]:
+               widen: bool | None, grad: Tensor | None = None) -> tuple[Regime, bool, Tensor]:
     """The regime, whether to compute in float32, and the weight to compute with (the gather regime converts just
     the few experts it reads; the others read every expert, so it is converted once)."""
     wide = _widened(x, widen)
-    regime = regime or choose_regime(
-        x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, backward,
-        dtype=torch.float32 if wide else x.dtype, bag=not wide and _bags(x, weight),
-    )
+    if regime is None:
+        regime = choose_regime(
+            x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, backward,
+            dtype=torch.float32 if wide else x.dtype, bag=not wide and _bags(x, weight),
+        )
+        if regime == "dense" and not _all_finite(x, weight, grad):
+            regime = "grouped"
     return regime, wide, weight.float() if wide and regime != "gather" else weight
+
+
+def _all_finite(*tensors: Tensor | None) -> bool:
+    """The dense regime multiplies every expert, and mixes a token's rows, before zero coefficients drop what the
+    formula does not read; 0 * inf and 0 * nan are nan, so one non-finite weight of an unselected expert (a dead
+    or uninitialised one) or input row would spread to results that never read it. A sum is finite unless a term
+    is not (or finite terms overflow, which only costs the faster regime): one pass over each operand, where
+    isfinite().all() would also write a mask of its size; on the CPU only (elsewhere it would be a host sync)."""
+    return all(t is None or t.device.type != "cpu" or bool(torch.isfinite(t.sum(dtype=_acc_dtype(t))))
+               for t in tensors)
 
 
 def forward(
@@ -1070,7 +1083,7 @@ def backward(
     need_weight_grad: bool = True, regime: Regime | None = None, widen: bool | None = None,
 ) -> Grads:
     index = index.contiguous()
-    regime, wide, w = _plan_call(x, weight, index, grad.shape[1], True, regime, widen)
+    regime, wide, w = _plan_call(x, weight, index, grad.shape[1], True, regime, widen, grad)
     if not wide:
         return BACKWARD[regime](grad, x, w, index, gate, need_gate_grad, need_weight_grad)
     gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), w, index, gate, need_gate_grad, need_weight_grad)
