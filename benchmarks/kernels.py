@@ -6,6 +6,7 @@
     python benchmarks/kernels.py --n 256 4096 --block-elements 65536 262144 1048576 0   # grouped block sizes
     python benchmarks/kernels.py --n 16 64 256 --regimes dense grouped   # the regimes' forward and backward
     python benchmarks/kernels.py --n 256 4096 --regimes grouped --against REV   # beside the code at git REV
+    python benchmarks/kernels.py --n 16 256 --regimes dense auto --against REV   # the automatic choice too
     python benchmarks/kernels.py --n 256 4096 --anatomy   # where the grouped forward's time goes
     python benchmarks/kernels.py --n 256 1024 4096 --gemm-widths   # one expert's GEMMs, result rows padded or not
     python benchmarks/kernels.py --n 256 4096 --frozen    # forward+backward with the weight trained and frozen
@@ -288,6 +289,9 @@ def regime_table(
         variants["op"] = (expert_projection, partial(expert_projection_backward, need_weight_grad=True))
     for r in regimes:
         for suffix, paths in sources:
+            if r == "auto":  # the automatic choice with what surrounds it (torch_paths.forward / backward)
+                variants[r + suffix] = (paths.forward, paths.backward)
+                continue
             if r not in paths.FORWARD:
                 sys.exit(f"regime {r!r} does not exist at {against}")
             variants[r + suffix] = (paths.FORWARD[r], paths.BACKWARD[r])
@@ -628,7 +632,8 @@ def main() -> None:
         nargs="+",
         help="only time the grouped regime (or those of --regimes) at these block sizes (0: whole expert sets)",
     )
-    parser.add_argument("--regimes", nargs="+", choices=list(torch_paths.FORWARD), help="only time these regimes")
+    parser.add_argument("--regimes", nargs="+", choices=[*torch_paths.FORWARD, "auto"],
+                        help="only time these regimes (auto: the automatic choice, as torch_paths.forward makes it)")
     parser.add_argument(
         "--against",
         metavar="REV",

@@ -26,11 +26,11 @@ gradient is bitwise reproducible run to run by construction (so are the PyTorch 
 forward and input gradient add the slots that share a row with atomics unless
 torch.use_deterministic_algorithms(True) is set.
 
-Non-finite values reach only the results that read them, as in the formula: on the CPU, where a weight of an
-expert no token chose, an input row or an output gradient is inf or nan, the PyTorch paths leave the dense regime
+Non-finite values reach only the results that read them, as in the formula: on the CPU, where the dense regime
 (which multiplies every expert and mixes a token's rows before zero coefficients drop what is not read, and
-0 * nan is nan) for the grouped one. On CUDA that check would be a host sync per call, so the shapes run as one
-cuBLAS product there spread such a value over the rows that share it.
+0 * nan is nan) gives results that are not all finite, they are computed again by the grouped regime
+(`torch_paths`, "Non-finite values"). On CUDA that check would be a host sync per call, so there the shapes run
+as one cuBLAS product spread an inf or nan of an unchosen expert or row over the rows that share the product.
 
 A weight that does not require grad gets no gradient, and its products are skipped. Autocast is switched off
 inside the op (it casts nothing itself: the caller casts its inputs, as `layers.moe_project` does).

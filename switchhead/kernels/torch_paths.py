@@ -1038,28 +1038,38 @@ def _widened(x: Tensor, widen: bool | None) -> bool:
 
 
 def _plan_call(x: Tensor, weight: Tensor, index: Tensor, n_out: int, backward: bool, regime: Regime | None,
-               widen: bool | None, grad: Tensor | None = None) -> tuple[Regime, bool, Tensor]:
+               widen: bool | None) -> tuple[Regime, bool, Tensor]:
     """The regime, whether to compute in float32, and the weight to compute with (the gather regime converts just
     the few experts it reads; the others read every expert, so it is converted once)."""
     wide = _widened(x, widen)
-    if regime is None:
-        regime = choose_regime(
-            x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, backward,
-            dtype=torch.float32 if wide else x.dtype, bag=not wide and _bags(x, weight),
-        )
-        if regime == "dense" and not _all_finite(x, weight, grad):
-            regime = "grouped"
+    regime = regime or choose_regime(
+        x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape, backward,
+        dtype=torch.float32 if wide else x.dtype, bag=not wide and _bags(x, weight),
+    )
     return regime, wide, weight.float() if wide and regime != "gather" else weight
 
 
-def _all_finite(*tensors: Tensor | None) -> bool:
-    """The dense regime multiplies every expert, and mixes a token's rows, before zero coefficients drop what the
-    formula does not read; 0 * inf and 0 * nan are nan, so one non-finite weight of an unselected expert (a dead
-    or uninitialised one) or input row would spread to results that never read it. A sum is finite unless a term
-    is not (or finite terms overflow, which only costs the faster regime): one pass over each operand, where
-    isfinite().all() would also write a mask of its size; on the CPU only (elsewhere it would be a host sync)."""
-    return all(t is None or t.device.type != "cpu" or bool(torch.isfinite(t.sum(dtype=_acc_dtype(t))))
-               for t in tensors)
+# Non-finite values and the dense regime: it multiplies every expert, and mixes a token's input rows, before zero
+# coefficients drop what the formula does not read; 0 * inf and 0 * nan are nan, so a non-finite weight of an
+# expert no token chose (a dead or uninitialised one), input row or output gradient would spread to results that
+# never read it. Where the dense regime was chosen automatically, results that are not all finite are computed
+# again by the grouped regime, which reads only what the formula reads. The checks are sums of the results (a sum
+# is finite unless a term is not, or finite terms overflow, which only costs the rerun): about 0.02 ms per dense
+# forward, 7-9 % of the 47M shapes' at N = 16 (docs/BENCHMARKS.md, "Non-finite values and the dense regime"). The
+# weight itself is not summed (that costs as much as the products at small N): a leak from it shows in the
+# results. On the CPU only: elsewhere each check would be a host sync.
+
+
+def _finite(*tensors: Tensor) -> bool:
+    # math.isfinite of the sum's value: torch.isfinite on the 0-d sum took 4x the sum itself at decode sizes
+    return all(t.device.type != "cpu" or math.isfinite(t.sum(dtype=_acc_dtype(t)).item()) for t in tensors)
+
+
+def _forward_in(regime: Regime, x: Tensor, w: Tensor, index: Tensor, gate: Tensor | None, n_out: int,
+                wide: bool) -> Tensor:
+    if not wide:
+        return FORWARD[regime](x, w, index, gate, n_out)
+    return FORWARD[regime](x.float(), w, index, gate, n_out).to(x.dtype)
 
 
 def forward(
@@ -1072,10 +1082,20 @@ def forward(
     widen: bool | None = None,
 ) -> Tensor:
     index = index.contiguous()  # the regimes flatten it with views (a transposed one is legal input)
+    auto = regime is None
     regime, wide, w = _plan_call(x, weight, index, n_out, False, regime, widen)
+    out = _forward_in(regime, x, w, index, gate, n_out, wide)
+    if auto and regime == "dense" and not _finite(out):  # see "Non-finite values" above
+        out = _forward_in("grouped", x, w, index, gate, n_out, wide)
+    return out
+
+
+def _backward_in(regime: Regime, grad: Tensor, x: Tensor, weight: Tensor, w: Tensor, index: Tensor,
+                 gate: Tensor | None, need_gate_grad: bool, need_weight_grad: bool, wide: bool) -> Grads:
     if not wide:
-        return FORWARD[regime](x, w, index, gate, n_out)
-    return FORWARD[regime](x.float(), w, index, gate, n_out).to(x.dtype)
+        return BACKWARD[regime](grad, x, w, index, gate, need_gate_grad, need_weight_grad)
+    gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), w, index, gate, need_gate_grad, need_weight_grad)
+    return gx.to(x.dtype), gw.to(weight.dtype), gg if gate is not None else gg.to(x.dtype)
 
 
 def backward(
@@ -1083,8 +1103,14 @@ def backward(
     need_weight_grad: bool = True, regime: Regime | None = None, widen: bool | None = None,
 ) -> Grads:
     index = index.contiguous()
-    regime, wide, w = _plan_call(x, weight, index, grad.shape[1], True, regime, widen, grad)
-    if not wide:
-        return BACKWARD[regime](grad, x, w, index, gate, need_gate_grad, need_weight_grad)
-    gx, gw, gg = BACKWARD[regime](grad.float(), x.float(), w, index, gate, need_gate_grad, need_weight_grad)
-    return gx.to(x.dtype), gw.to(weight.dtype), gg if gate is not None else gg.to(x.dtype)
+    auto = regime is None
+    regime, wide, w = _plan_call(x, weight, index, grad.shape[1], True, regime, widen)
+    args = grad, x, weight, w, index, gate, need_gate_grad, need_weight_grad, wide
+    # see "Non-finite values" above: x and grad reach the weight gradient of every expert, the weight reaches
+    # grad_x and the gate's gradient
+    if auto and regime == "dense" and not _finite(x, grad):
+        regime = "grouped"
+    grads = _backward_in(regime, *args)
+    if auto and regime == "dense" and not _finite(grads[0], grads[2]):
+        grads = _backward_in("grouped", *args)
+    return grads
