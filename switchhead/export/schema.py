@@ -19,7 +19,9 @@ ONNX Runtime (any execution provider) and ``onnx.reference`` run it; a runtime w
   coefficient tensor, contract the inputs to [N*R, E*D_in] and multiply once by W viewed as [E*D_in, D_out].
 
 Each computes E / (slots per output row) times the useful FLOPs, the cheaper side being chosen, which measured
-faster in ONNX Runtime than gathering the selected weight matrices (see docs/EXPORT.md).
+faster in ONNX Runtime than gathering the selected weight matrices (see docs/EXPORT.md). Like the CUDA dense path
+of the torch op (and unlike its CPU paths, which check), the contract formulation multiplies zero coefficients by
+every expert matrix: an inf or nan in the weights of an expert no token chose makes its outputs nan.
 """
 
 from __future__ import annotations
