@@ -9,11 +9,13 @@ import torch
 
 
 def sinusoid(dist: int, d: int) -> torch.Tensor:
+    """[sin(dist * f_i) for i < ceil(d/2)] + [cos(dist * f_i) for i < floor(d/2)], f_i = 10000^(-2i/d)."""
+    n_sin = (d + 1) // 2
     out = torch.zeros(d, dtype=torch.float64)
+    for i in range(n_sin):
+        out[i] = math.sin(dist * 10000 ** (-2 * i / d))
     for i in range(d // 2):
-        freq = 1.0 / 10000 ** (2 * i / d)
-        out[i] = math.sin(dist * freq)
-        out[d // 2 + i] = math.cos(dist * freq)
+        out[n_sin + i] = math.cos(dist * 10000 ** (-2 * i / d))
     return out
 
 

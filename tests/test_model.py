@@ -157,9 +157,11 @@ def test_shared_selection_really_shares():
     assert sum(p.numel() for p in separate.parameters()) - n_shared == TINY.n_heads * TINY.n_experts * TINY.d_model
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")])
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")] + ["odd-width"])
 def test_lm_matches_naive_over_chunks_with_memory(name):
-    cfg = PRESETS[name].replace(vocab_size=41, chunk_len=5)
+    # odd-width: an odd d_model, whose sinusoid has one sine more than cosines
+    cfg = PRESETS["tiny-switchhead"].replace(d_model=13) if name == "odd-width" else PRESETS[name]
+    cfg = cfg.replace(vocab_size=41, chunk_len=5)
     torch.manual_seed(3)
     model = TransformerLM(cfg).double().eval()
     ids = torch.randint(0, 41, (2, 12))  # 5 + 5 + 2: the last chunk is partial
