@@ -64,24 +64,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _as_device(device: object) -> torch.device:
-    """`device` as a torch.device: one, or its name ("cpu", "cuda:0"), which had no `.type`."""
-    if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str):
-        raise SwitchheadError(f"expected a torch.device or a device name, got {type(device).__name__}")
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise SwitchheadError(f"unknown device {device!r}: {e}") from None
-
-
 def memory(device: torch.device, available: bool = False) -> tuple[int, str] | None:
     """The memory a model on `device` draws from, in bytes, and a phrase saying so for messages: the whole of it,
     or with `available` what can be had now without swapping (Linux MemAvailable; free memory on a GPU). None
     where there is no way to ask. Up-front checks against it turn an allocation that would end in a traceback,
     or in the out-of-memory killer once the pages are touched, into one line."""
-    device = _as_device(device)
+    if not isinstance(device, (torch.device, str)):  # (resolve_device would read an int as a CUDA index)
+        raise SwitchheadError(f"expected a torch.device or a device name, got {type(device).__name__}")
+    device = device if isinstance(device, torch.device) else resolve_device(device)  # a name had no .type
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Blocks PyTorch's caching allocator holds but no tensor uses are free to us, not to the driver.

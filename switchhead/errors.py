@@ -36,6 +36,14 @@ def is_finite_number(v) -> bool:
         return False
 
 
+def check_flag(value, name: str) -> bool:
+    """`value` if it is True or False; else one line naming `name` (a string such as "no" is truthy, and would
+    silently mean True)."""
+    if not isinstance(value, bool):
+        raise SwitchheadError(f"{name} must be True or False, got {brief(value)}")
+    return value
+
+
 def brief(value, limit: int = 60) -> str:
     """`repr(value)` cut to `limit` characters, for messages about values of any size."""
     text = repr(value)

@@ -20,7 +20,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from switchhead.errors import SwitchheadError, brief, is_int
+from switchhead.errors import SwitchheadError, brief, check_flag, is_int
 from switchhead.runtime import Backend, Generator, SamplingParams, TorchBackend
 
 # Bound on the logits materialised per forward call (floats), used to pick how many chunks one call covers.
@@ -113,9 +113,7 @@ class SwitchheadLM(LM):
         # Checked before a checkpoint or export is loaded.
         self.batch_size = _batch_size(batch_size)
         self.max_gen_toks = _max_gen_toks(max_gen_toks)
-        if not isinstance(progress, bool):
-            raise SwitchheadError(f"progress must be True or False, got {brief(progress)}")
-        self.progress = progress
+        self.progress = check_flag(progress, "progress")
         if threads is not None:
             from switchhead.devices import check_threads
 

@@ -158,7 +158,6 @@ def match_params(config: ModelConfig, target: int | ModelConfig, field: str = "d
 
 def summary(config: ModelConfig) -> dict:
     """Everything `switchhead info` prints, as plain JSON-able data."""
-    _config(config)
     macs, floats = attention_macs(config), attention_memory(config)
     paper = PAPER_FIGURES.get(config.name, {})
     return {

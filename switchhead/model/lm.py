@@ -154,8 +154,9 @@ class TransformerLM(nn.Module):
         if not callable(getattr(cache, "update", None)):
             raise SwitchheadError(f"decode needs a KV cache (e.g. switchhead.runtime.cache.XLCache), got "
                                   f"{type(cache).__name__}")
-        made_for = getattr(cache, "cfg", None)
-        if isinstance(made_for, ModelConfig) and cache_layout(made_for) != cache_layout(self.config):
+        made_for = getattr(cache, "cfg", None)  # the engine's caches carry this very config: no comparison per step
+        if isinstance(made_for, ModelConfig) and made_for is not self.config and \
+                cache_layout(made_for) != cache_layout(self.config):
             names = "layers, K/V heads, d_head, chunk_len, memory"
             raise SwitchheadError(f"the cache was made for another model ({names}: {cache_layout(made_for)}; this "
                                   f"model: {cache_layout(self.config)}); make one with this model's config")
@@ -167,7 +168,8 @@ class TransformerLM(nn.Module):
         for i, block in enumerate(self.blocks):
             h = block.ln1(x)
             k, v, pos_q, pos_k, valid = cache.update(i, *block.attn.kv(h))
-            if k.dtype != h.dtype or k.device != h.device:  # attention would fail on it with a bare matmul error
+            # once: every layer's buffers have one dtype and device (attention would fail with a bare matmul error)
+            if i == 0 and (k.dtype != h.dtype or k.device != h.device):
                 raise SwitchheadError(f"the cache holds {k.dtype} on {k.device}; the model computes {h.dtype} on "
                                       f"{h.device}: make the cache with the model's dtype and device")
             x = block.finish(x, h, k, v, pos_q, pos_k, valid)

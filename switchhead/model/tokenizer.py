@@ -24,7 +24,7 @@ import numpy as np
 import sentencepiece as spm
 
 from switchhead.devices import check_threads
-from switchhead.errors import SwitchheadError, is_int
+from switchhead.errors import SwitchheadError, check_flag, is_int
 from switchhead.fileio import as_path, read_utf8, text_paths, write_atomic
 
 NEWLINE = "\n"
@@ -76,13 +76,6 @@ def _check_processor(sp: object) -> None:
         raise SwitchheadError("the tokenizer has no model loaded (load one with load_tokenizer or train one)")
 
 
-def _check_flags(**flags: object) -> None:
-    """One line for an option that must be True or False (a string such as "no" is truthy)."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise SwitchheadError(f"{name} must be True or False, got {value!r}")
-
-
 def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | None:
     """Why `sp` cannot go with a model of `vocab_size` outputs (its ids would index the wrong embedding rows), as
     the end of a sentence naming the tokenizer; None if it can."""
@@ -93,7 +86,7 @@ def vocab_mismatch(sp: spm.SentencePieceProcessor, vocab_size: int) -> str | Non
 def read_text(path: str | Path, *, unwrap: bool = False) -> str:
     """The text of a UTF-8 file; anything else is refused: replacing bad bytes would silently train on U+FFFD
     (and a binary file would look like a few tokens of text)."""
-    _check_flags(unwrap=unwrap)
+    check_flag(unwrap, "unwrap")
     text = read_utf8(as_path(path, "the text file"))  # without a leading byte-order mark (common in UTF-8 books)
     return unwrap_paragraphs(text) if unwrap else text
 
@@ -148,7 +141,7 @@ def train_tokenizer(
     if not is_int(seed):
         raise SwitchheadError(f"seed must be an integer, got {seed!r}")
     check_threads(num_threads)
-    _check_flags(unwrap=unwrap)
+    check_flag(unwrap, "unwrap")
     sentences = _training_sentences(files, max_sentences, seed, unwrap)
     if not sentences:
         raise SwitchheadError("cannot train a tokenizer: the data files contain no text")
@@ -245,7 +238,7 @@ def iter_documents(
     path: str | Path, *, split_blank_lines: bool = False, unwrap: bool = False
 ) -> Iterator[str]:
     """The documents of a text file: the whole file, or its blank-line separated blocks."""
-    _check_flags(split_blank_lines=split_blank_lines)
+    check_flag(split_blank_lines, "split_blank_lines")
     text = read_text(path, unwrap=unwrap)
     if not split_blank_lines:
         yield text
@@ -265,5 +258,5 @@ def encode_file(
     sp: spm.SentencePieceProcessor, path: str | Path, *, split_blank_lines: bool = False, unwrap: bool = False
 ) -> np.ndarray:
     """The token stream of one file (a file is one document unless `split_blank_lines`)."""
-    _check_processor(sp)  # before the file is read
+    # encode_documents checks `sp` before it reads the file (iter_documents is lazy)
     return encode_documents(sp, iter_documents(path, split_blank_lines=split_blank_lines, unwrap=unwrap))

@@ -7,8 +7,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from switchhead.devices import check_threads, resolve_device, set_threads
-from switchhead.errors import SwitchheadError, brief, is_int
+from switchhead.devices import resolve_device, set_threads
+from switchhead.errors import SwitchheadError, brief, check_flag, is_int
 from switchhead.fileio import as_path, read_utf8
 from switchhead.runtime.backends import TorchBackend
 from switchhead.runtime.engine import Generator
@@ -24,8 +24,6 @@ def load_generator(ckpt: str | None, device: str | None = None, onnx_dir: str | 
 
     if ckpt is not None and onnx_dir is not None:
         raise SwitchheadError("give --ckpt or --onnx, not both")
-    if threads is not None:
-        check_threads(threads)
     # Checked also for an export, which picks its own provider: a mistyped device must not pass unnoticed.
     device = resolve_device(device)
     if onnx_dir is not None:
@@ -80,8 +78,7 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
         raise SwitchheadError(f"batch-size must be an integer >= 1, got {brief(batch_size)}")
     if not isinstance(params, SamplingParams):
         raise SwitchheadError(f"params must be SamplingParams, got {type(params).__name__}")
-    if not isinstance(as_json, bool):  # "no" is truthy
-        raise SwitchheadError(f"as_json must be True or False, got {brief(as_json)}")
+    check_flag(as_json, "as_json")
     if prompt is not None and not isinstance(prompt, str):
         raise SwitchheadError(f"the prompt must be a str (several go in a prompts file), got {type(prompt).__name__}")
     if not callable(write):

@@ -190,16 +190,15 @@ class TokenHistory:
         for ids in prompts:
             if not isinstance(ids, list):
                 raise SwitchheadError(f"each prompt must be a list of token ids, got {type(ids).__name__}")
-        check_ids(prompts, vocab_size)  # -1 would mark the last token seen, 1.7 token 1
         self.params, self.rows, self.vocab_size = params, len(prompts), vocab_size
-        rows = self.rows
         self.seen = self.counts = self.bias = None
-        if params.repetition_penalty != 1.0:
-            self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool)
+        if params.repetition_penalty != 1.0:  # the one use of the prompts' ids, checked here
+            check_ids(prompts, vocab_size)  # -1 would mark the last token seen, 1.7 token 1
+            self.seen = torch.zeros(self.rows, vocab_size, dtype=torch.bool)
             for b, ids in enumerate(prompts):
-                self.seen[b, torch.as_tensor(list(ids), dtype=torch.long)] = True
+                self.seen[b, torch.as_tensor(ids, dtype=torch.long)] = True
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
-            self.counts = torch.zeros(rows, vocab_size, dtype=torch.int32)
+            self.counts = torch.zeros(self.rows, vocab_size, dtype=torch.int32)
         if params.logit_bias:
             check_logit_bias(params, vocab_size)
             self.bias = torch.zeros(vocab_size, dtype=torch.float64)

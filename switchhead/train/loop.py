@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from switchhead.devices import memory as device_memory
 from switchhead.devices import native_half, out_of_memory, resolve_device
-from switchhead.errors import CheckpointError, SwitchheadError, is_finite_number, is_int
+from switchhead.errors import CheckpointError, SwitchheadError, check_flag, is_finite_number, is_int
 from switchhead.fileio import as_path, text_paths
 from switchhead.model.accounting import count_params
 from switchhead.model.checkpoint import save
@@ -320,9 +320,8 @@ def _validated(opts: TrainOptions) -> TrainOptions:
     for name in ("device", "dtype"):
         if (v := getattr(opts, name)) is not None and not isinstance(v, str):
             raise SwitchheadError(f"--{name} must be a string or None, got {type(v).__name__}")
-    for name in ("resume", "progress", "unwrap"):  # a truthy "false" would silently mean True
-        if not isinstance(getattr(opts, name), bool):
-            raise SwitchheadError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+    for name in ("resume", "progress", "unwrap"):
+        check_flag(getattr(opts, name), name)
     _validate(opts)
     return opts
 
