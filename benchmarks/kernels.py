@@ -359,10 +359,11 @@ def grouped_mm_table(ns: list[int], repeats: int) -> list[str]:
 def anatomy_table(ns: list[int], repeats: int) -> list[str]:
     """Where the grouped forward's time goes: its plan (sort, blocks), row gathers, per-block GEMMs and
     index_adds, each timed alone on the same blocks (result rows as wide as the regime makes them), beside the
-    same-FLOP matmul; and the same GEMMs with both widths zero-padded to a multiple of 16."""
+    same-FLOP matmul; and the same GEMMs with both widths zero-padded to a multiple of 16, and through oneDNN's
+    linear instead of torch.mm (whose fp32 GEMM on the CPU build is MKL's)."""
     lines = _table(
         "| case | N | matmul ms | grouped ms | plan | gathers | GEMMs | index_adds | GEMMs, both widths padded to 16 "
-        "| matmul GFLOP/s | GEMMs GFLOP/s |"
+        "| GEMMs by oneDNN | matmul GFLOP/s | GEMMs GFLOP/s |"
     )
     for case in CASES:
         for n in ns:
@@ -371,10 +372,15 @@ def anatomy_table(ns: list[int], repeats: int) -> list[str]:
             cells = " | ".join(f"{t[k]:.3f}" for k in ("matmul", "grouped", "plan", "gathers", "GEMMs", "index_adds"))
             _add_row(
                 lines,
-                f"| {case.name} | {n} | {cells} | {t['padded']:.3f} | {gflop / t['matmul'] * 1e3:.0f} "
+                f"| {case.name} | {n} | {cells} | {t['padded']:.3f} | {t['oneDNN']:.3f} "
+                f"| {gflop / t['matmul'] * 1e3:.0f} "
                 f"| {gflop / t['GEMMs'] * 1e3:.0f} |",
             )
     return lines
+
+
+def _onednn_linear(x: torch.Tensor, w_out_in: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w_out_in, None, "none", [], "")
 
 
 def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
@@ -389,6 +395,7 @@ def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
     width = torch_paths._gemm_width(case.d_out, x, index, w.shape[0])
     w_run = torch_paths._padded(w, width)
     products = [r @ w_run[e] for (e, _), r in zip(blocks, rows)]
+    w_linear = w_run.transpose(1, 2).contiguous()  # oneDNN's linear takes [out, in], as nn.Linear does
     d_in, d_out = torch_paths.aligned(case.d_in), torch_paths.aligned(case.d_out)  # GEMM_ALIGN = 16
     w_pad = torch.nn.functional.pad(w, (0, d_out - case.d_out, 0, d_in - case.d_in))
     rows_pad = [torch.nn.functional.pad(r, (0, d_in - case.d_in)) for r in rows]
@@ -406,6 +413,7 @@ def _anatomy_parts(case: Case, n: int) -> dict[str, Callable[[], object]]:
         "GEMMs": _call(_each, lambda e, r: r @ w_run[e], gemms),
         "index_adds": _call(_each, lambda b, y: out.index_add_(0, plan.dst[b], y), adds),
         "padded": _call(_each, lambda e, r: r @ w_pad[e], gemms_padded),
+        "oneDNN": _call(_each, lambda e, r: _onednn_linear(r, w_linear[e]), gemms),
     }
 
 
