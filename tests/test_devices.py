@@ -59,4 +59,3 @@ def test_a_model_too_large_to_allocate_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.nn.Embedding, "__init__", _allocator_fails("something else"))
     with pytest.raises(RuntimeError, match="^something else$"):
         TransformerLM(cfg)
-
