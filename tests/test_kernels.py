@@ -572,6 +572,29 @@ def test_counting_sort_leaves_out_expert_ids_outside_the_range(backend):
     assert order[: offsets[-1]].tolist() == valid[torch.argsort(flat[valid], stable=True)].tolist()
 
 
+@pytest.mark.parametrize("n_experts", [5, 70])  # counting sort, torch.sort
+def test_sort_pairs_of_a_strided_index_and_of_no_pairs(n_experts, backend):
+    """The kernels' own entry points get the index as their caller has it: every other column of a wider tensor
+    flattens to a view with stride 2, which the counting kernels must not read as if contiguous; and no pairs at
+    all launch no block, while the offsets must still say that every expert has none."""
+    backend("triton")
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    wide = torch.randint(0, n_experts, (37, 12), generator=torch.Generator().manual_seed(2))
+    index = wide[:, ::2].to(DEVICE)
+    order, offsets = tk._sort_pairs(index, n_experts)
+    flat = wide[:, ::2].reshape(-1)
+    assert order.tolist() == torch.argsort(flat, stable=True).tolist()
+    assert offsets.tolist() == [0] + torch.bincount(flat, minlength=n_experts).cumsum(0).tolist()
+    torch.full((1 << 16,), 12345, dtype=torch.int32, device=DEVICE)  # freed memory that is not zero
+    order, offsets = tk._sort_pairs(torch.zeros(0, 2, dtype=torch.int64, device=DEVICE), n_experts)
+    assert order.numel() == 0 and offsets.tolist() == [0] * (n_experts + 1)
+    x, w = torch.randn(0, 1, 4, device=DEVICE), torch.randn(n_experts, 4, 3, device=DEVICE)
+    grad_x, grad_w, _ = tk.backward(torch.randn(0, 1, 3, device=DEVICE), x, w, index[:0], None, False, True)
+    assert grad_x.shape == x.shape and torch.equal(grad_w, torch.zeros_like(w))
+
+
 def test_autotune_key_buckets_token_counts(backend):
     backend("triton")
     from switchhead.kernels import triton_kernels

@@ -216,7 +216,7 @@ def _sort_pairs(index: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     COUNTING_SORT_MAX_EXPERTS experts it is a counting sort in three launches (`_count_pairs_kernel`, a cumsum,
     `_place_pairs_kernel`); above, torch.sort.
     """
-    flat = index.reshape(-1)
+    flat = index.reshape(-1).contiguous()  # the counting kernels read it with unit stride (reshape may give a view)
     if n_experts <= COUNTING_SORT_MAX_EXPERTS:
         return _counting_sort(flat, n_experts)
     # The narrowest key that holds every expert id and E itself: CUDA's radix sort makes one pass per key byte
@@ -298,6 +298,8 @@ def _place_pairs_kernel(
 
 def _counting_sort(flat: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     n_pairs = flat.numel()
+    if n_pairs == 0:  # no block to launch, and block 0 is what writes the offsets
+        return flat.new_empty(0, dtype=torch.int32), flat.new_zeros(n_experts + 1, dtype=torch.int32)
     block = _counting_block(n_experts)
     n_blocks = triton.cdiv(n_pairs, block)
     e_pad = triton.next_power_of_2(n_experts + 1)  # E and one more, so that offsets[E] has a lane
