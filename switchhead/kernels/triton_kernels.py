@@ -543,6 +543,7 @@ def _weight_grad_kernel(
                 # On tensor cores the gate scales x, the dot's first operand, which a Hopper wgmma may read from
                 # registers. Scaling g, which it reads only from shared memory, stored the scaled tile back there
                 # and waited for each wgmma in turn: no overlap with the loads (`gpu_build.Build.mma_in_flight`).
+                # 16-bit inputs: rounded to their dtype, where in fp16 a gate * x below 6.1e-5 loses precision.
                 xt = (xt.to(tl.float32) * gv[None, :]).to(g.dtype)
         if DOT_FP32:
             xt = xt.to(tl.float32)
