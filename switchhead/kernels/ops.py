@@ -26,12 +26,12 @@ gradient is bitwise reproducible run to run by construction (so are the PyTorch 
 forward and input gradient add the slots that share a row with atomics unless
 torch.use_deterministic_algorithms(True) is set.
 
-In half precision on CUDA the weight gradient's products take half-precision operands, so the gate is applied to
-one of them beforehand (gate * x in the kernels; gate * x or gate * grad in the cuBLAS route) and the result is
-rounded to x's dtype, as in any half-precision GEMM of gated rows. In float16 a gated value below its normal range
-(|gate * x| < 6.1e-5) keeps only an absolute precision of 6e-8, and one above 65504 (a gate > 1) overflows to inf;
-bfloat16 has float32's range. The forward, grad_x and the gate gradient apply the gate to float32 sums, and the
-CPU paths gate in float32 throughout.
+Where a half-precision product takes gated rows as an operand, the gated rows are rounded to x's dtype first, as
+in any half-precision GEMM of gated rows: the Triton weight gradient (gate * x), and the dense regime's gated
+inputs or gated output gradients (cuBLAS on CUDA; on a CPU only where it has instructions for that dtype, since
+elsewhere half inputs are computed in float32). In float16 a gated value below its normal range (< 6.1e-5 in
+magnitude) keeps only an absolute precision of 6e-8, and one above 65504 (a gate > 1) overflows to inf; bfloat16
+has float32's range. The Triton forward and grad_x apply the gate to their float32 sums.
 
 Non-finite values reach only the results that read them, as in the formula: on the CPU, where the dense regime
 (which multiplies every expert and mixes a token's rows before zero coefficients drop what is not read, and
