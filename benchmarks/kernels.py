@@ -10,6 +10,7 @@
     python benchmarks/kernels.py --n 256 4096 --anatomy   # where the grouped forward's time goes
     python benchmarks/kernels.py --n 256 1024 4096 --gemm-widths   # one expert's GEMMs, result rows padded or not
     python benchmarks/kernels.py --n 256 4096 --frozen    # forward+backward with the weight trained and frozen
+    python benchmarks/kernels.py --n 256 4096 --inductor  # one expert's GEMMs by MKL and by torch.compile's C++
     python benchmarks/kernels.py --n 4096 16384 --regimes dense combo --device cuda --dtype bfloat16   # vs Triton
     python benchmarks/kernels.py --n 4096 --regimes dense --case O6 112 1024 4 1 4 6 2   # --regimes on other shapes
     python benchmarks/kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16   # weight-gradient chunks
@@ -446,6 +447,67 @@ def width_table(ns: list[int], repeats: int, cases: list[Case] = CASES) -> list[
     return lines
 
 
+class _Expert(torch.nn.Module):
+    """One expert's product, optionally gated, as a module: inductor's C++ GEMM template wants the weight as a frozen
+    constant (it prepacks it), which only module parameters under inference compilation give it."""
+
+    def __init__(self, w: torch.Tensor, gated: bool):
+        super().__init__()
+        self.w, self.gated = torch.nn.Parameter(w), gated
+
+    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return x @ self.w * g[:, None] if self.gated else x @ self.w
+
+
+def inductor_table(ns: list[int], repeats: int, cases: list[Case] = CASES) -> list[str]:
+    """The grouped regime's GEMMs (one per expert, N*S/E rows each) by torch.mm (MKL) and by the C++ GEMM template
+    that torch.compile generates on the CPU (max-autotune, that template only, weights frozen: inference), with the
+    gate multiply after the GEMM or fused into the template's epilogue, beside the same-FLOP matmul. The template
+    is the one generated fused GEMM within the dependencies; it cannot gather its input rows (index_select stays a
+    separate kernel), so this asks whether its GEMM and epilogue could beat MKL's at all."""
+    import torch._inductor.config as inductor
+
+    lines = _table(
+        "| case | N | rows | matmul ms | MKL GEMMs | template GEMMs | template / MKL | MKL + gate | template, gate "
+        "fused | fused / MKL + gate | template, rows dynamic | dynamic / MKL |"
+    )
+    settings = {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "freezing": True}
+    for case in cases:
+        experts = case.heads * case.experts
+        for n in ns:
+            rows = n * case.slots // experts
+            g = torch.Generator().manual_seed(0)
+            x, gate = torch.randn(rows, case.d_in, generator=g), torch.rand(rows, generator=g)
+            w = torch.randn(case.d_in, case.d_out, generator=g)
+            xd, wd = (t.detach() for t in _dense_equivalent(case, n))
+            plain, gated = _Expert(w, False).eval(), _Expert(w, True).eval()
+            # Every module shares one forward: past dynamo's recompile limit (8) it would quietly run eager.
+            torch.compiler.reset()
+            with torch.no_grad(), inductor.patch(settings):
+                compiled = {
+                    "template": torch.compile(plain, dynamic=False),
+                    "fused": torch.compile(gated, dynamic=False),
+                    "dynamic": torch.compile(_Expert(w, False).eval(), dynamic=True),
+                }
+                for name, fn in compiled.items():
+                    ref = (gated if name == "fused" else plain)(x, gate)
+                    torch.testing.assert_close(fn(x, gate), ref, rtol=1e-4, atol=1e-4 * case.d_in**0.5)
+                fns = {"matmul": _call(_matmul, xd, wd), "MKL": _call(_each, plain, [(x, gate)] * experts)}
+                fns["MKL + gate"] = _call(_each, gated, [(x, gate)] * experts)
+                fns |= {name: _call(_each, fn, [(x, gate)] * experts) for name, fn in compiled.items()}
+                t = interleaved_min_ms(fns, repeats)
+            cells = " | ".join(
+                f"{t[a]:.3f} | {t[b]:.3f} | {t[b] / t[a]:.2f}"
+                for a, b in (("MKL", "template"), ("MKL + gate", "fused"))
+            )
+            _add_row(
+                lines,
+                f"| {case.name} | {n} | {rows} | {t['matmul']:.3f} | {cells} | {t['dynamic']:.3f} "
+                f"| {t['dynamic'] / t['MKL']:.2f} |",
+            )
+    return lines
+
+
 def frozen_table(
     ns: list[int],
     timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]],
@@ -672,6 +734,9 @@ def main() -> None:
     parser.add_argument(
         "--frozen", action="store_true", help="only time forward+backward with the weight trained and frozen"
     )
+    parser.add_argument(
+        "--inductor", action="store_true", help="only time the per-expert GEMMs by MKL and by torch.compile's C++ GEMM"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(
         "--case",
@@ -750,6 +815,10 @@ def main() -> None:
     if args.anatomy:
         print("\n## CPU grouped forward, part by part (fp32, best of the interleaved repeats, ms)\n")
         anatomy_table(args.n, 5 if args.quick else 15)
+        return
+    if args.inductor:
+        print("\n## CPU per-expert GEMMs by MKL and by inductor's C++ template (fp32, best of the repeats, ms)\n")
+        inductor_table(args.n, 5 if args.quick else 15)
         return
     if args.gemm_widths:
         print("\n## CPU GEMMs of one expert, result rows as they are and padded (fp32, best of interleaved repeats)\n")

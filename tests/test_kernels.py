@@ -1149,6 +1149,21 @@ def test_gemm_width_table_lists_the_unaligned_products():
     assert all(float(r[5]) > 0 and float(r[6]) > 0 and float(r[7]) > 0 for r in rows), rows
 
 
+def test_inductor_table_times_the_compiled_template():
+    """`benchmarks/kernels.py --inductor`: a row per case and N with the per-expert row count, every time positive
+    and each ratio the quotient of the (rounded) times beside it. The table compiles with inductor's C++ template as
+    the only GEMM backend (no fallback to torch.mm) and checks each compiled product against eager before timing."""
+    bench_module = _benchmark_module()
+    cases = [bench_module.Case("V", 40, 19, 1, 2, 2, 3, 2), bench_module.Case("O", 19, 40, 2, 1, 2, 3, 2)]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in bench_module.inductor_table([30], 1, cases)[2:]]
+    assert [(r[0], int(r[1]), int(r[2])) for r in rows] == [("V", 30, 20), ("O", 30, 20)]
+    for r in rows:
+        times = {i: float(r[i]) for i in (3, 4, 5, 7, 8, 10)}
+        assert all(t > 0 for t in times.values()), r
+        for ratio, (a, b) in {6: (4, 5), 9: (7, 8), 11: (4, 10)}.items():
+            assert float(r[ratio]) == pytest.approx(times[b] / times[a], rel=0.05, abs=0.006), r  # times rounded
+
+
 def test_block_table_sweeps_each_blocked_regime(monkeypatch):
     """`benchmarks/kernels.py --block-elements ... --regimes grouped combo`: every regime at every block size, each
     cell run with that size in force (0: one block per expert set) and the size restored afterwards."""
