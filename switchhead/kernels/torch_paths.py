@@ -408,6 +408,8 @@ def gather_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None
     if _bags(x, weight):
         return _bag_forward(x, weight, index, gate, n_out)
     n, slots = index.shape
+    if n == 0:  # torch.stack takes no empty list
+        return x.new_zeros(0, n_out, weight.shape[2])
     in_per = slots // x.shape[1]
     experts = index.tolist()  # a handful of pairs: one vector-matrix product each, no weight copies
     # (weight may be narrower than x: see `_plan_call`)
