@@ -674,6 +674,8 @@ def test_bad_shapes_are_rejected():
     for n_out in (True, 2.0):  # R = 1 read from a bool; a float reached the index ops
         with pytest.raises(RuntimeError, match=f"n_out {n_out}"):
             project(x, w, index, gate, n_out)
+        with pytest.raises(RuntimeError, match=f"n_out {n_out}"):  # through the dispatcher: training
+            project(x.requires_grad_(), w, index, gate, n_out)
     for args in ((x[:, :0], w, index, gate, 2), (x, w, index[:, :0], gate[:, :0], 2), (x, w[..., :0], index, gate, 2),
                  (x.long(), w.long(), index, gate, 2)):  # I = 0, S = 0, D_out = 0, integer inputs
         with pytest.raises(RuntimeError, match="expected floating-point x"):
@@ -829,12 +831,14 @@ def test_op_names_an_empty_input_width_or_a_non_float_gate(bad):
         expert_projection(x, w, index, gate, SHAPES[3].n_out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # half precision takes gather's product loop
 @pytest.mark.parametrize("regime", REGIMES)
-def test_regimes_take_no_tokens(regime):
+def test_regimes_take_no_tokens(regime, dtype):
     """Each PyTorch regime called directly (as benchmarks/kernels.py does; the op returns before them) with N = 0."""
     empty = Shape(0, *[getattr(SHAPES[3], f) for f in ("n_in", "slots", "n_out", "experts", "d_in", "d_out")])
-    _, (x, w, index, gate, grad) = make(empty)
-    assert torch_paths.FORWARD[regime](x, w, index, gate, empty.n_out).shape == (0, empty.n_out, empty.d_out)
+    _, (x, w, index, gate, grad) = make(empty, dtype)
+    out = torch_paths.FORWARD[regime](x, w, index, gate, empty.n_out)
+    assert out.shape == (0, empty.n_out, empty.d_out) and out.dtype == dtype
     gx, gw, gg = torch_paths.BACKWARD[regime](grad, x, w, index, gate, True)
     assert gx.shape == x.shape and gg.shape == gate.shape and gw.shape == w.shape and not gw.any()
 
