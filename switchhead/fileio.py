@@ -161,6 +161,21 @@ def holds_only(path: Path, names: set[str], required: set[str] = frozenset()) ->
     return required <= entries.keys() and all(n in names and p.is_file() for n, p in entries.items())
 
 
+def save_tensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file`, whose I/O failures (a full disk) come as its own error type: raised as the
+    OSError they are, which `atomic_directory` turns into one line."""
+    from safetensors import SafetensorError  # here, not above: commands that never write tensors skip torch
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        io = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
+        if io is None:
+            raise
+        raise OSError(int(io[2]), io[1]) from None
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a fresh temporary directory next to `path`; on success it replaces `path` by rename.

@@ -1,10 +1,14 @@
 """switchhead.fileio: atomic file writes and the early checks that a path can be created."""
 
+import errno
 import os
 import stat
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import file_size_limit
 
 from switchhead import fileio
 from switchhead.errors import SwitchheadError
@@ -190,3 +194,12 @@ def test_read_utf8_drops_only_a_leading_byte_order_mark(tmp_path):
     assert fileio.read_utf8(f) == "a\ufeffb\n"
     f.write_bytes(b"a\n")
     assert fileio.read_utf8(f) == "a\n"
+
+
+def test_save_tensors_raises_a_failed_write_as_the_oserror_it_is(tmp_path):
+    """safetensors raises its own error type for a failed write; atomic_directory turns OSErrors into one line."""
+    with file_size_limit(1000), pytest.raises(OSError) as failed:
+        fileio.save_tensors({"w": torch.zeros(1000)}, tmp_path / "w.safetensors")
+    assert (failed.value.errno, failed.value.strerror) == (errno.EFBIG, os.strerror(errno.EFBIG))
+    fileio.save_tensors({"w": torch.arange(1000.0)}, tmp_path / "w.safetensors")  # no limit: written
+    assert torch.equal(load_file(tmp_path / "w.safetensors")["w"], torch.arange(1000.0))

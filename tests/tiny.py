@@ -1,8 +1,11 @@
 """Tiny artefacts the tests build for themselves."""
 
+import contextlib
 import io
 import os
 import random
+import resource
+import signal
 
 import pytest
 import sentencepiece as spm
@@ -45,3 +48,18 @@ def batch_past_available_memory(row_bytes: int) -> int:
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     return int(available * 1.05) // row_bytes + 1
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Writes past `nbytes` into any file fail with EFBIG ("File too large"), as a full disk fails them with
+    ENOSPC, for the body's duration: the kernel's own refusal, no patched writer (RLIMIT_FSIZE, its signal ignored
+    so that the write returns the error)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)

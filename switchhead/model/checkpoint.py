@@ -11,11 +11,19 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from switchhead.devices import resolve_device
 from switchhead.errors import CheckpointError, ConfigError
-from switchhead.fileio import as_path, atomic_directory, check_output_dir, holds_only, read_utf8, require_dir
+from switchhead.fileio import (
+    as_path,
+    atomic_directory,
+    check_output_dir,
+    holds_only,
+    read_utf8,
+    require_dir,
+    save_tensors,
+)
 from switchhead.model.config import ModelConfig
 from switchhead.model.lm import TransformerLM
 from switchhead.model.tokenizer import vocab_mismatch
@@ -52,15 +60,31 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
     Refuses to replace a non-empty directory that is not a checkpoint written here, so nothing unrelated is
     ever lost.
     """
+    tensors = _savable(model, tokenizer)
+    path = check_output_dir(as_path(path, "a checkpoint path", CheckpointError), is_saved_checkpoint,
+                            "a switchhead checkpoint")
+    with atomic_directory(path) as tmp:
+        _write(tmp, model.config, tensors, tokenizer)
+    return path
+
+
+def write_model_files(directory: Path, model: TransformerLM, tokenizer=None) -> None:
+    """A checkpoint's files, with the checks of `save`, written into an existing `directory` whose own atomic
+    writer (a training checkpoint's) puts them in place: a write that fails then names the destination, not a
+    temporary directory of its own."""
+    _write(directory, model.config, _savable(model, tokenizer), tokenizer)
+
+
+def _savable(model: TransformerLM, tokenizer) -> dict[str, torch.Tensor]:
+    """The tensors to write, after every check that `load` would otherwise fail: a saved checkpoint can always be
+    loaded."""
     if not isinstance(model, TransformerLM):
         raise CheckpointError(f"save needs a TransformerLM, got {type(model).__name__}")
     if tokenizer is not None and not isinstance(tokenizer, spm.SentencePieceProcessor):
         raise CheckpointError("save needs a SentencePieceProcessor or None as tokenizer, got "
                               f"{type(tokenizer).__name__}")
     if tokenizer is not None and (problem := vocab_mismatch(tokenizer, model.config.vocab_size)):
-        raise CheckpointError(f"the tokenizer {problem}")  # load would refuse the checkpoint
-    path = check_output_dir(as_path(path, "a checkpoint path", CheckpointError), is_saved_checkpoint,
-                            "a switchhead checkpoint")
+        raise CheckpointError(f"the tokenizer {problem}")
     state = model.state_dict()
     # A submodule added to the model or a layer resized after construction would be saved, then refused by load.
     _check_weights(state, model.config, "cannot save: the model's state_dict")
@@ -75,14 +99,16 @@ def save(path: str | Path, model: TransformerLM, tokenizer=None) -> Path:
             v = v.clone()
         storages.add(v.untyped_storage().data_ptr())
         tensors[k] = v
-    if (bad := _nonfinite(tensors)) is not None:  # load refuses these: a saved checkpoint can always be loaded
+    if (bad := _nonfinite(tensors)) is not None:
         raise CheckpointError(f"cannot save: tensor {bad} has NaN or infinite values")
-    with atomic_directory(path) as tmp:
-        (tmp / CONFIG).write_text(model.config.to_json())
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if tokenizer is not None:
-            (tmp / TOKENIZER).write_bytes(tokenizer.serialized_model_proto())
-    return path
+    return tensors
+
+
+def _write(directory: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer) -> None:
+    (directory / CONFIG).write_text(config.to_json())
+    save_tensors(tensors, directory / WEIGHTS, metadata={"format": "pt"})
+    if tokenizer is not None:
+        (directory / TOKENIZER).write_bytes(tokenizer.serialized_model_proto())
 
 
 def is_saved_checkpoint(path: Path) -> bool:

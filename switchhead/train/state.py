@@ -13,18 +13,16 @@ Nothing is pickled: resuming never executes code from the checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from switchhead.errors import CheckpointError, brief, is_finite_number, is_int
-from switchhead.fileio import atomic_directory
-from switchhead.model.checkpoint import CONFIG, TOKENIZER, WEIGHTS, save
+from switchhead.fileio import atomic_directory, save_tensors
+from switchhead.model.checkpoint import CONFIG, TOKENIZER, WEIGHTS, write_model_files
 
 OPTIMIZER, TRAINER_TENSORS, TRAINER_STATE = (
     "optimizer.safetensors",
@@ -149,17 +147,9 @@ def write_training_checkpoint(
                               "from the previous one, which it still holds")
     opt_tensors, opt_meta = optimizer_to_flat(opt)
     with atomic_directory(path) as tmp:
-        # Reuse the model checkpoint writer so the format stays in one place; it writes into its own
-        # directory, whose files then move up next to ours.
-        sub = tmp / "model"
-        save(sub, model, tokenizer)
-        for f in sub.iterdir():
-            os.replace(f, tmp / f.name)
-        shutil.rmtree(sub)
-        save_file(opt_tensors, str(tmp / OPTIMIZER))
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in trainer_tensors.items()}, str(tmp / TRAINER_TENSORS)
-        )
+        write_model_files(tmp, model, tokenizer)  # the model checkpoint's writer: its format stays in one place
+        save_tensors(opt_tensors, tmp / OPTIMIZER)
+        save_tensors({k: v.detach().contiguous().cpu() for k, v in trainer_tensors.items()}, tmp / TRAINER_TENSORS)
         (tmp / TRAINER_STATE).write_text(json.dumps({**state, "optimizer": opt_meta}, indent=1))
 
 
