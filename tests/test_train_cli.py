@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from tiny import file_size_limit
 
 import switchhead
 from switchhead import fileio
@@ -565,3 +566,21 @@ def test_every_slow_stage_shows_progress(corpus, tmp_path):
     assert r.exit_code == 0, r.output
     for label in ("training a tokenizer (vocab size up to 400)", "validation:", "train:"):
         assert label in r.stderr, (label, r.stderr[-2000:])
+
+
+def test_a_full_disk_at_the_checkpoint_is_one_line_naming_it(corpus, tmp_path):
+    """safetensors reports a failed write as its own error type, which escaped as a traceback (exit code 1); the
+    error named the model files' temporary directory, gone by the time the user reads it."""
+    out = tmp_path / "run"
+    with file_size_limit(100_000):  # the weights are ~0.5 MB, the tokenizer, run.json and token cache far less
+        r = _tiny(out, corpus, tmp_path)
+    _assert_user_error(r, f"cannot write {out / 'checkpoint'}: File too large")
+    assert not (out / "checkpoint").exists() and not list(out.glob(".checkpoint*")), list(out.iterdir())
+
+
+def test_a_full_disk_at_the_metrics_log_is_one_line_naming_it(corpus, tmp_path):
+    assert _tiny(tmp_path / "first", corpus, tmp_path).exit_code == 0  # the token cache, before the limit
+    out = tmp_path / "run"
+    with file_size_limit(8_000):  # ~50 metric lines; each other file of a run before its checkpoint fits
+        r = _tiny(out, corpus, tmp_path, "--steps", 120, "--log-every", 1, "--warmup", 10)
+    _assert_user_error(r, f"cannot write {out / 'metrics.jsonl'}: File too large")

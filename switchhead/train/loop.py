@@ -576,8 +576,11 @@ def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack)
 
     def log(record: dict) -> None:
         if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            try:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            except OSError as e:  # a full disk: one line, and the last checkpoint stays as it is
+                raise SwitchheadError(f"cannot write {out / METRICS_FILE}: {e.strerror or e}") from None
 
     def checkpoint(step_done: int) -> None:
         nonlocal saved_step
@@ -708,7 +711,8 @@ def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack)
     finally:
         bar.close()
         if metrics is not None:
-            metrics.close()
+            with contextlib.suppress(OSError):  # each record was flushed: only a failed write's is left to lose
+                metrics.close()
 
     final = None
     if not interrupted:
