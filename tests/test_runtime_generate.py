@@ -506,6 +506,16 @@ def test_stdin_prompt_drops_its_line_end(ckpt):
     assert json.loads(row)["prompt"] == "the fox\r"
 
 
+def test_stdin_prompt_drops_a_byte_order_mark(ckpt):
+    """A file saved by a Windows editor, piped in: its mark is not text, and a file of nothing else is empty."""
+    (row,) = _generate_from_stdin(ckpt, io.StringIO("\ufeffthe fox\r\n", newline=""))
+    assert json.loads(row)["prompt"] == "the fox"
+    (row,) = _generate_from_stdin(ckpt, io.StringIO("the \ufefffox", newline=""))  # only a leading one
+    assert json.loads(row)["prompt"] == "the \ufefffox"
+    with pytest.raises(SwitchheadError, match="empty"):
+        _generate_from_stdin(ckpt, io.StringIO("\ufeff\n", newline=""))
+
+
 def test_closed_stdin_is_an_error(ckpt, monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)  # what Python gives a process started with fd 0 closed
     with pytest.raises(SwitchheadError, match="no PROMPT, no --prompts-file and no stdin"):

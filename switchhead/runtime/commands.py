@@ -94,7 +94,9 @@ def run_generate(prompt: str | None, ckpt: str | None, params: SamplingParams, p
             text = stdin.read()
         except UnicodeDecodeError as e:  # a strict stdin; under surrogateescape, Generator.encode reports it
             raise SwitchheadError(f"the prompt on stdin is not valid UTF-8 ({e})") from None
-        # The line end `echo` (or a Windows pipe: CRLF) adds is not part of the prompt.
+        # The line end `echo` (or a Windows pipe: CRLF) adds is not part of the prompt, nor the byte order mark a
+        # Windows editor starts a saved file with (as in prompts files and training text).
+        text = text.removeprefix("\ufeff")
         prompt = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
     gen = load_generator(ckpt, device, onnx_dir, threads)
     if numbered is not None:
