@@ -539,6 +539,10 @@ def test_model_without_a_device_stays_where_it_is(sp, monkeypatch):
                                                    ">= 1 (tokens to generate), got 0"),
     ("generate_until", ("a", {"max_gen_toks": "abc"}), "request 0's max_gen_toks must be an integer >= 1"),
     ("generate_until", ("a", {"max_gen_toks": 2.5}), "request 0's max_gen_toks must be an integer >= 1"),
+    ("loglikelihood", ("the fox", " \ud800"), "loglikelihood: request 0's continuation is not valid UTF-8 (lone "
+                                              "surrogate U+D800 at character 1)"),
+    ("loglikelihood_rolling", ("a\udce9",), "loglikelihood_rolling: request 0's text is not valid UTF-8 (byte 0xE9"),
+    ("generate_until", ("a\ud800", {"max_gen_toks": 2}), "generate_until: request 0's context is not valid UTF-8"),
 ])
 def test_malformed_requests_are_clear_errors(lm, method, request_args, message):
     requests = [("tom saw", " the dog")] if request_args is None else [Req(*request_args)]

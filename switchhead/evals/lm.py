@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from switchhead.errors import SwitchheadError, brief, check_flag, is_int
 from switchhead.runtime import Backend, Generator, SamplingParams, TorchBackend
+from switchhead.runtime.sampling import check_utf8
 
 # Bound on the logits materialised per forward call (floats), used to pick how many chunks one call covers.
 _LOGITS_BUDGET = 1 << 25
@@ -82,6 +83,8 @@ def _request_args(req: object, i: int, method: str, names: tuple[str, ...], opti
         if name != "gen_kwargs" and not isinstance(arg, str):
             raise SwitchheadError(f"{method}: request {i}'s {name} must be a string, got {type(arg).__name__} "
                                   f"{brief(arg)}")
+        if name != "gen_kwargs":  # a lone surrogate (JSON's \ud800) would fail inside SentencePiece's binding
+            check_utf8(arg, f"{method}: request {i}'s {name}")
     return tuple(args)
 
 
