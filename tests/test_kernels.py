@@ -675,7 +675,7 @@ def test_bad_shapes_are_rejected():
         with pytest.raises(RuntimeError, match=f"n_out {n_out}"):
             project(x, w, index, gate, n_out)
         with pytest.raises(RuntimeError, match=f"n_out {n_out}"):  # through the dispatcher: training
-            project(x.requires_grad_(), w, index, gate, n_out)
+            project(x.detach().requires_grad_(), w, index, gate, n_out)
     for args in ((x[:, :0], w, index, gate, 2), (x, w, index[:, :0], gate[:, :0], 2), (x, w[..., :0], index, gate, 2),
                  (x.long(), w.long(), index, gate, 2)):  # I = 0, S = 0, D_out = 0, integer inputs
         with pytest.raises(RuntimeError, match="expected floating-point x"):

@@ -186,10 +186,10 @@ def project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     an eager CPU call that records no autograd graph (inference, decoding), outside compile and export tracing,
     dispatch and function modes, functorch transforms and tensor subclasses. At batch-1 decode the custom op's
     dispatch is a large part of the op (docs/BENCHMARKS.md, "Decode: the op without its dispatcher")."""
-    if type(n_out) is not int:  # the dispatcher's int argument would take True as R = 1 before `_check` saw it
-        raise RuntimeError(_shape_error(x, weight, index, gate, n_out))
     if _plain_eager(x, weight, index, gate):
         return _forward(x, weight, index, gate, n_out)
+    if type(n_out) is not int:  # the dispatcher's int argument would take True as R = 1 before `_check` saw it
+        raise RuntimeError(_shape_error(x, weight, index, gate, n_out))
     return expert_projection(x, weight, index, gate, n_out)
 
 
