@@ -80,11 +80,12 @@ def _request_args(req: object, i: int, method: str, names: tuple[str, ...], opti
         raise SwitchheadError(f"{method}: request {i} must have the arguments ({', '.join(names)}), got "
                               f"{len(args)}: {brief(args)}")
     for name, arg in zip(names, args):
-        if name != "gen_kwargs" and not isinstance(arg, str):
+        if name == "gen_kwargs":
+            continue
+        if not isinstance(arg, str):
             raise SwitchheadError(f"{method}: request {i}'s {name} must be a string, got {type(arg).__name__} "
                                   f"{brief(arg)}")
-        if name != "gen_kwargs":  # a lone surrogate (JSON's \ud800) would fail inside SentencePiece's binding
-            check_utf8(arg, f"{method}: request {i}'s {name}")
+        check_utf8(arg, f"{method}: request {i}'s {name}")  # a lone surrogate fails inside SentencePiece's binding
     return tuple(args)
 
 
