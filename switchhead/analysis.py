@@ -119,8 +119,8 @@ def _check_range(values: Sequence[int] | None, n: int, what: str) -> list[int]:
         raise SwitchheadError(f"the {what}s must be a list of integers, got {type(values).__name__}")
     if not values:
         raise SwitchheadError(f"no {what} given: name at least one, or none for all {n}")
-    if bad := next((v for v in values if not is_int(v)), None):
-        raise SwitchheadError(f"{what} indices must be integers, got {bad!r}")
+    if bad := [v for v in values if not is_int(v)]:  # a list: a falsy bad value (False, 0.0, None) still counts
+        raise SwitchheadError(f"{what} indices must be integers, got {bad[0]!r}")
     bad = [v for v in values if not 0 <= v < n]
     if bad:
         raise SwitchheadError(f"{what} {bad[0]} out of range: the model has {n} {what}s (0..{n - 1})")

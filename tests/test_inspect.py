@@ -313,6 +313,10 @@ def test_library_bad_arguments(ckpt, tmp_path):
     (lambda m, sp, out: collect(m, [1, 2], layers=[0.5]), "layer indices must be integers, got 0.5"),
     (lambda m, sp, out: collect(m.state_dict(), [1, 2]), "inspect needs a TransformerLM"),
     (lambda m, sp, out: inspect_text(m, sp, TEXT, out, heads=[True]), "head indices must be integers, got True"),
+    # falsy wrong values, which would otherwise pass as index 0 or fail deeper in
+    (lambda m, sp, out: collect(m, [1, 2], layers=[0.0]), "layer indices must be integers, got 0.0"),
+    (lambda m, sp, out: collect(m, [1, 2], layers=[1, None]), "layer indices must be integers, got None"),
+    (lambda m, sp, out: inspect_text(m, sp, TEXT, out, heads=[False]), "head indices must be integers, got False"),
     (lambda m, sp, out: inspect_text(m, sp, TEXT, out, window=True), "--window must be a positive integer, got True"),
     (lambda m, sp, out: inspect_text(m, sp, TEXT, 5), "--out must be a str or Path, got int"),
     (lambda m, sp, out: inspect_text("ckpt", sp, TEXT, out), "inspect needs a TransformerLM"),
