@@ -145,6 +145,13 @@ def _edit_weights(path, fn):
     (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
                                                           "n_layers": 3})), "missing blocks.2"),
     (lambda p: (p / "tokenizer.model").write_bytes(b"garbage"), "tokenizer.model is corrupt"),
+    (lambda p: ((p / "tokenizer.model").unlink(), (p / "tokenizer.model").mkdir()),
+     "tokenizer.model is a directory, not a tokenizer model"),
+    (lambda p: ((p / "tokenizer.model").unlink(), (p / "tokenizer.model").symlink_to(p / "gone")),
+     "tokenizer.model is a broken link, not a tokenizer model"),
+    # a saved config has every key: a missing one (here the memory's) must not quietly become its default
+    (lambda p: (p / "config.json").write_text(json.dumps({k: v for k, v in json.loads(
+        (p / "config.json").read_text()).items() if k != "mem_chunks"})), r"config key\(s\) missing: mem_chunks"),
     (lambda p: (p / "config.json").write_text(json.dumps({**json.loads((p / "config.json").read_text()),
                                                           "vocab_size": 512})), "shape|pieces"),
 ])

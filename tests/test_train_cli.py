@@ -158,6 +158,8 @@ def test_damaged_run_record_on_resume_is_one_line(corpus, tmp_path):
         ("{bad", "run.json is unreadable: Expecting property name"),
         (json.dumps({**spec, "options": 5}), "run.json is unreadable: TypeError"),
         (json.dumps({k: v for k, v in spec.items() if k != "data"}), "run.json is unreadable: KeyError('data')"),
+        (json.dumps({**spec, "model_config": {k: v for k, v in spec["model_config"].items() if k != "mem_chunks"}}),
+         "run.json is unreadable: ConfigError('config key(s) missing: mem_chunks"),
     ]:
         (out / "run.json").write_text(text)
         _assert_user_error(_run("--out", out, "--resume", "--steps", 6), message)

@@ -135,7 +135,7 @@ def read_config(file: Path) -> ModelConfig:
     """A config.json (of a checkpoint or an ONNX export), validated; its problems name the file."""
     text = read_utf8(file, CheckpointError)
     try:
-        return ModelConfig.from_json(text)
+        return ModelConfig.from_json(text, complete=True)
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
 
@@ -143,6 +143,9 @@ def read_config(file: Path) -> ModelConfig:
 def read_tokenizer(file: Path, config: ModelConfig):
     """The SentencePieceProcessor in `file` (None if there is none), which must have the model's vocab_size."""
     if not file.is_file():
+        if file.is_symlink() or file.exists():  # not absent: a directory or a broken link is a damaged checkpoint
+            kind = "a directory" if file.is_dir() else "a broken link" if not file.exists() else "not a regular file"
+            raise CheckpointError(f"{file} is {kind}, not a tokenizer model")
         return None
     import sentencepiece as spm
 

@@ -139,14 +139,19 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
+    def from_dict(cls, d: dict, complete: bool = False) -> ModelConfig:
+        """`complete`: every field must be given, as in the configs `to_dict` writes (checkpoints, exports, run
+        records), where a missing one means damage and a default would quietly load another model; a config
+        file of the user's may give only the fields it changes."""
         if not isinstance(d, dict):
             raise ConfigError(f"a model config must be a JSON object, got {type(d).__name__}")
         _refuse_unknown(d)
+        if complete and (missing := [f.name for f in dataclasses.fields(cls) if f.name not in d]):
+            raise ConfigError(f"config key(s) missing: {', '.join(missing)} (a saved config has every key)")
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text: str) -> ModelConfig:
+    def from_json(cls, text: str, complete: bool = False) -> ModelConfig:
         if not isinstance(text, (str, bytes, bytearray)):
             raise ConfigError(f"a model config's JSON must be text, got {type(text).__name__}")
         try:
@@ -157,7 +162,7 @@ class ModelConfig:
             raise ConfigError(f"config is not UTF-8 text: {e.reason} at byte {e.start}") from None
         except RecursionError:  # thousands of nested brackets
             raise ConfigError("config is not a model config: its JSON is nested too deeply") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, complete)
 
 
 def _refuse_unknown(d: dict) -> None:

@@ -92,7 +92,7 @@ def resume_defaults(out: str | Path) -> dict:
         options = spec.get("options", {})
         return {
             **{k: options[k] for k in _RESUMABLE if k in options},  # a key of ours, not any the file holds
-            "config": ModelConfig.from_dict(spec["model_config"]),
+            "config": ModelConfig.from_dict(spec["model_config"], complete=True),
             "data": [d["path"] for d in spec["data"]],
             "eval_data": list(spec.get("eval_data", [])),
         }
