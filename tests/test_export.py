@@ -447,6 +447,35 @@ def test_int8_export_runs_as_its_graph_defines(tmp_path, monkeypatch):
     np.testing.assert_allclose(got[0], want[0], atol=1e-4)
 
 
+def test_weights_too_large_for_one_file_go_beside_it(exported, tmp_path, monkeypatch):
+    """Beyond protobuf's 2 GiB a model cannot be one file: its weights go to model.onnx.data (ONNX external data).
+    The threshold is lowered so that the tiny model takes that path, fp32 and int8 (whose fp32 model is then in
+    two files too); the exports compute what the one-file export does and are replaced like it."""
+    from switchhead.export import exporter
+
+    model = _model(PRESETS["tiny-switchhead"].replace(n_layers=1))  # one layer: four exports in this test
+    monkeypatch.setattr(exporter, "EXTERNAL_DATA_BYTES", 0)
+    out = Path(shutil.copytree(exported, tmp_path / "big"))  # an earlier one-file export, replaced
+    result = export(None, out, model=model)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "layout.json", "model.onnx", "model.onnx.data"]
+    graph, data = (out / "model.onnx").stat().st_size, (out / "model.onnx.data").stat().st_size
+    assert graph < data and result.model_bytes == graph + data
+    assert data >= 0.9 * 4 * sum(p.numel() for p in model.parameters())  # the weights (small tensors stay inline)
+    ids = _ids(model.config.vocab_size, 2, 40, seed=5)
+    want = _forward(model, ids)
+    torch.testing.assert_close(OnnxBackend(out).logits(ids)[0], want, rtol=1e-5, atol=1e-5)
+    q = export(None, tmp_path / "int8", model=model, quantize="int8")
+    assert sorted(p.name for p in q.out.iterdir()) == ["config.json", "layout.json", "model.onnx", "model.onnx.data"]
+    monkeypatch.undo()
+    one_file = export(None, tmp_path / "int8-one", model=model, quantize="int8").out
+    assert not (one_file / "model.onnx.data").exists()
+    # the same quantised weights, wherever they are stored
+    torch.testing.assert_close(OnnxBackend(q.out).logits(ids)[0], OnnxBackend(one_file).logits(ids)[0], rtol=0, atol=0)
+    export(None, out, model=model)  # the two-file export, replaced by a one-file one
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "layout.json", "model.onnx"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 # --- errors and the CLI ------------------------------------------------------------------------------
 
 

@@ -36,6 +36,10 @@ from switchhead.model.lm import TransformerLM, eval_mode
 from switchhead.model.tokenizer import check_tokenizer
 
 MODEL_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.onnx", "layout.json", "config.json", "tokenizer.model"
+# Weights of models too large for one protobuf message (2 GiB) go to this file beside MODEL_FILE (ONNX external
+# data, which ONNX Runtime reads from the model's directory).
+DATA_FILE = "model.onnx.data"
+EXTERNAL_DATA_BYTES = 2**31 - 2**28  # weights above this leave too little room for the graph in one message
 FORMAT = "switchhead-onnx/1"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 QUANTIZE = ("int8",)
@@ -361,13 +365,28 @@ def _log_level(logger: logging.Logger, level: int):
         logger.setLevel(old)
 
 
+def save_model(proto: onnx.ModelProto, path: Path) -> None:
+    """`proto` as one file, or with its weights in DATA_FILE beside it when they are too large for that."""
+    weights = sum(t.ByteSize() for t in proto.graph.initializer)
+    external = weights > EXTERNAL_DATA_BYTES
+    # Tensors under 1 KiB (shapes, scalars) stay in the graph, where shape inference can read them.
+    onnx.save(proto, str(path), save_as_external_data=external, all_tensors_to_one_file=True, location=DATA_FILE,
+              size_threshold=1024)
+
+
+def model_bytes(path: Path) -> int:
+    """The size of the model file at `path` with its external data file, if it has one."""
+    data = path.with_name(DATA_FILE)
+    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
 def quantize_int8(src: Path, dst: Path) -> None:
     """ONNX Runtime dynamic quantisation: int8 weights for MatMul/Gather-free dense layers, fp32 activations."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     # The quantiser writes a shape-inferred copy of the fp32 model beside it, which a full disk truncates without an
     # error (it then fails to parse the copy): room for that copy and the int8 model is checked first.
-    need, free = src.stat().st_size * 5 // 4, shutil.disk_usage(src.parent).free
+    need, free = model_bytes(src) * 5 // 4, shutil.disk_usage(src.parent).free
     if free < need:
         raise ExportError(f"cannot quantise to int8: it needs about {need / 2**20:.0f} MiB free on the output's "
                           f"disk, there are {free / 2**20:.0f} MiB")
@@ -377,20 +396,25 @@ def quantize_int8(src: Path, dst: Path) -> None:
     # reduce_range (7-bit weights): ONNX Runtime's u8 x s8 kernels on x86 CPUs without VNNI add pairs of
     # products in saturating 16-bit lanes, so full-range weights give CPU-dependent results, several percent of
     # perplexity off on small models; with 7 bits no sum can saturate and every CPU computes the graph exactly.
-    try:
-        with _log_level(logging.getLogger(), logging.ERROR):
-            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
-                             reduce_range=True)
-    except (OSError, MemoryError):
-        raise  # reported as such by the caller
-    except Exception as e:  # another library's failure, of whatever type: one line, not its traceback
-        raise ExportError(f"int8 quantisation failed: {type(e).__name__}: {e}") from None
-    q = onnx.load(str(dst))
+    # Quantised into a directory of its own, with external data where `src` has it, then saved as `dst` in the
+    # form its own size asks for: the quantiser's data file is named after its output, not DATA_FILE.
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".int8-") as work_dir:
+        work = Path(work_dir) / MODEL_FILE
+        try:
+            with _log_level(logging.getLogger(), logging.ERROR):
+                quantize_dynamic(str(src), str(work), weight_type=QuantType.QInt8,
+                                 op_types_to_quantize=["MatMul", "Gemm"], reduce_range=True,
+                                 use_external_data_format=src.with_name(DATA_FILE).is_file())
+        except (OSError, MemoryError):
+            raise  # reported as such by the caller
+        except Exception as e:  # another library's failure, of whatever type: one line, not its traceback
+            raise ExportError(f"int8 quantisation failed: {type(e).__name__}: {e}") from None
+        q = onnx.load(str(work))
     if not any(f.domain == schema.DOMAIN for f in q.functions) and any(
             n.domain == schema.DOMAIN for n in q.graph.node):
         q.functions.append(schema.function_proto())
     q.ir_version = min(q.ir_version, IR_VERSION)
-    onnx.save(q, str(dst))
+    save_model(q, dst)
 
 
 @dataclass
@@ -403,7 +427,8 @@ class ExportResult:
 def is_export(path: Path) -> bool:
     """An earlier export, which may be replaced: its files only (a user's file beside them would be lost) and a
     layout.json of this format."""
-    if not holds_only(path, {MODEL_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE}, required={MODEL_FILE, LAYOUT_FILE}):
+    files = {MODEL_FILE, DATA_FILE, LAYOUT_FILE, CONFIG_FILE, TOKENIZER_FILE}
+    if not holds_only(path, files, required={MODEL_FILE, LAYOUT_FILE}):
         return False
     try:
         layout = json.loads((path / LAYOUT_FILE).read_text(encoding="utf-8"))
@@ -466,13 +491,13 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
                 with tempfile.TemporaryDirectory(dir=tmp, prefix=".fp32-") as work:
                     fp32 = Path(work) / MODEL_FILE
                     stages.set_postfix_str("saving")
-                    onnx.save(proto, str(fp32))
+                    save_model(proto, fp32)
                     stages.update()
                     stages.set_postfix_str("quantising to int8")
                     quantize_int8(fp32, path)
             else:
                 stages.set_postfix_str("saving")
-                onnx.save(proto, str(path))
+                save_model(proto, path)
             stages.update()
             stages.set_postfix_str("checking the model")
             onnx.checker.check_model(str(path), full_check=True)
@@ -481,5 +506,5 @@ def export(ckpt: str | Path | None, out: str | Path | None = None, dtype: str = 
             (tmp / CONFIG_FILE).write_text(cfg.to_json())
             if tokenizer is not None:
                 (tmp / TOKENIZER_FILE).write_bytes(tokenizer.serialized_model_proto())
-            size = path.stat().st_size
+            size = model_bytes(path)
     return ExportResult(out, size, info)
