@@ -459,8 +459,11 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize, no_progress):
 
     if not to_onnx:
         raise SwitchheadError("no export target given: pass --onnx (the only supported target)")
+    from switchhead.export.exporter import DATA_FILE, MODEL_FILE
+
     r = export(ckpt, out, dtype=dtype, quantize=quantize, opset=opset, progress=not no_progress)
-    click.echo(f"wrote {r.out} (model.onnx {r.model_bytes / 1e6:.1f} MB, {dtype}"
+    files = f"{MODEL_FILE} + {DATA_FILE}" if (r.out / DATA_FILE).exists() else MODEL_FILE
+    click.echo(f"wrote {r.out} ({files} {r.model_bytes / 1e6:.1f} MB, {dtype}"
                + (f", {quantize}" if quantize else "") + f", opset {opset})")
 
 
