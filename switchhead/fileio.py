@@ -81,6 +81,12 @@ def check_creatable(path: str | Path, what: str) -> None:
     yes to root everywhere, also on read-only file systems and in /sys or /proc, where the real write would
     fail only after the slow work."""
     parent = _nearest_existing(path)
+    # A broken link on the way counts as missing to exists(), but creating the directory would fail on it.
+    for p in (Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents):
+        if p == parent:
+            break
+        if p.is_symlink():
+            raise SwitchheadError(f"{what} {path}: cannot be created, {p} is a broken link (to {os.readlink(p)})")
     if not parent.is_dir():
         raise SwitchheadError(f"{what} {path}: cannot be created, {parent} is not a directory")
     check_writable(parent, f"{what} {path}")

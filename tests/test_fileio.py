@@ -70,6 +70,21 @@ def test_paths_that_cannot_be_created(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "locked"]  # the probes leave nothing behind
 
 
+def test_broken_links_on_the_way_cannot_be_created(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for path, link in [(tmp_path / "dangling", "dangling"), (tmp_path / "dangling" / "sub" / "x", "dangling"),
+                       (tmp_path / "loop", "loop")]:
+        with pytest.raises(SwitchheadError, match=f"cannot be created, .*/{link} is a broken link"):
+            fileio.check_creatable(path, "--out")
+        with pytest.raises(SwitchheadError, match=f"/{link} is a broken link"):
+            fileio.check_replaceable(path)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")  # a link to a directory is a directory
+    fileio.check_creatable(tmp_path / "link" / "new", "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "link", "loop", "real"]
+
+
 def test_writes_that_fail_although_access_says_yes(tmp_path, monkeypatch):
     # A read-only file system (or /sys, /proc) fails the real write even where os.access says yes (always, for
     # root): the early checks try one, so the slow work after them is not lost at its end.
