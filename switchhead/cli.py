@@ -259,8 +259,9 @@ def info(config_spec, ckpt, as_json):
 @click.option("--log-every", type=int, default=10, show_default=True, help="Write metrics every N steps.")
 @click.option("--resume", is_flag=True,
               help="Continue the run in --out from its last checkpoint. Options not given are those the run "
-                   "last ran with; those that define it (model, data, tokenizer, batch size, lr, warm-up, seed) "
-                   "cannot change, the others (--steps, --save-every, --eval-data, ...) can.")
+                   "last ran with; those that define it (model config, --grad-clip, data, tokenizer, batch size, lr, "
+                   "warm-up, seed) cannot change, the others (--steps, --save-every, --eval-data, --dtype, ...) "
+                   "can.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", help="cpu, cuda, cuda:1, ...; default: cuda if available. Under torchrun each "
               "process uses its LOCAL_RANK GPU.")

@@ -105,6 +105,9 @@ def test_out_dir_holding_something_else(corpus, tmp_path):
     _assert_user_error(_tiny(f, corpus, tmp_path), "not a directory")
     _assert_user_error(_tiny(f / "run", corpus, tmp_path), "file is not a directory")  # under a file
     assert f.read_text() == "x"
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # was a FileExistsError traceback, after the tokenizer
+    _assert_user_error(_tiny(tmp_path / "link", corpus, tmp_path), f"{tmp_path / 'link'} is a broken link")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "gone").exists()
 
 
 def test_unwrap_is_part_of_the_run(corpus, tmp_path):
@@ -357,6 +360,30 @@ def test_resume_records_the_options_it_may_change(corpus, tmp_path):
     assert r.exit_code == 0, r.output
     _assert_user_error(_run("--out", out, "--resume", "--lr", 1e-3), "lr changed since the run started")
     assert json.loads((out / "run.json").read_text())["options"]["steps"] == 6  # a refused resume records nothing
+
+
+def test_plain_resume_keeps_the_dtype_and_the_cache(corpus, tmp_path, monkeypatch):
+    """--dtype, --device and --cache-dir left out of --resume are those of the run: the dtype used to fall back to
+    the default (float32 on a CPU, so a bf16 run went on in fp32), a relative cache to the current directory."""
+    from safetensors.torch import load_file
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    args = ("--config", "tiny-switchhead", "--data", corpus, "--vocab-size", 400, "--batch-size", 2, "--no-progress")
+    r = _run(*args, "--out", out, "--steps", 4, "--dtype", "bfloat16", "--cache-dir", "rel-cache")
+    assert r.exit_code == 0, r.output
+    options = json.loads((out / "run.json").read_text())["options"]
+    assert (options["dtype"], options["cache_dir"]) == ("bfloat16", str((tmp_path / "rel-cache").resolve()))
+    given = Path(shutil.copytree(out, tmp_path / "given"))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for run, extra in ((out, ()), (given, ("--dtype", "bfloat16"))):
+        r = _run("--out", run, "--resume", "--steps", 7, "--no-progress", *extra)
+        assert r.exit_code == 0, r.output
+    assert not (tmp_path / "elsewhere" / "rel-cache").exists()  # the run's own token cache, found from anywhere
+    resumed, explicit = (load_file(str(run / "final" / "model.safetensors")) for run in (out, given))
+    for k, w in explicit.items():
+        assert torch.equal(resumed[k], w), k
 
 
 @pytest.mark.parametrize("what", ["notes", "file"])

@@ -353,6 +353,9 @@ _MALFORMED = {  # what resuming used to crash on (a traceback), in the first ste
                r"trainer_state\.json is malformed: 'log_interval_by_rank\[0\]\.losses' must be a list of numbers"),
     "grad norms": ("state", lambda s: s["log_interval_by_rank"][0].update(grad_norms=["x"]),
                    r"trainer_state\.json is malformed: 'log_interval_by_rank\[0\]\.grad_norms' must be a list"),
+    # was a note that the process count had changed, and a run whose dropout masks differed
+    "no RNG": ("trainer", lambda t: [t.pop(k) for k in list(t) if k.startswith("rng.")],
+               r"the RNG state of process 0 is missing in .*checkpoint"),
 }
 _CORRUPT = {  # what resuming used to accept, to report a diverged run or an error naming no file, or to run on
     "NaN moment": ("optimizer", lambda t: _nan(t, "state.2.exp_avg"),

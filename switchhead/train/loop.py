@@ -476,13 +476,11 @@ def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack)
                 f"cannot resume: the checkpoint in {ckpt_dir} is at step {start_step}, past --steps {opts.steps} "
                 "(training cannot go back; pass --steps above it to continue)"
             )
-        if is_main and spec != old_spec:
-            # What may change on a resume (--steps, --save-every, --eval-data, ...) is recorded once the checkpoint
-            # has been read, so that a later plain --resume continues with it rather than with the first run's.
-            write_run_spec(out, spec)
         if "memory" in trainer_tensors:
             memory = trainer_tensors["memory"][:, my_lanes[0] : my_lanes[-1] + 1].to(device)
-        if state.get("world_size") == world and f"rng.{rank}.cpu" in trainer_tensors:
+        if state.get("world_size") == world:
+            if f"rng.{rank}.cpu" not in trainer_tensors:  # every checkpoint has one per process
+                raise CheckpointError(f"cannot resume: the RNG state of process {rank} is missing in {ckpt_dir}")
             try:
                 _set_rng_state(
                     {k.split(".")[-1]: v for k, v in trainer_tensors.items() if k.startswith(f"rng.{rank}.")},
@@ -495,6 +493,10 @@ def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack)
                 f"note: resuming with {world} processes instead of {state.get('world_size')}; dropout "
                 "masks will differ from the uninterrupted run"
             )
+        if is_main and spec != old_spec:
+            # What may change on a resume (--steps, --save-every, --eval-data, ...) is recorded once the checkpoint
+            # has been read, so that a later plain --resume continues with it rather than with the first run's.
+            write_run_spec(out, spec)
     if is_main and device.type == "cpu" and amp_dtype == torch.bfloat16 and not native_half(torch.bfloat16):
         tqdm.write("note: this CPU has no bf16 instructions (avx512_bf16, amx_bf16), so PyTorch multiplies bf16 "
                    "matrices slowly here: --dtype float32 trains much faster on it", file=sys.stderr)

@@ -57,7 +57,8 @@ def run_spec(opts: TrainOptions, config: ModelConfig, tok_fp: str, data: list[Pa
         "unwrap": opts.unwrap,
         "world_size": world,
         # Informational (not compared): lets `--resume` without flags continue with the same settings.
-        "options": {k: getattr(opts, k) for k in _RESUMABLE},
+        "options": {k: getattr(opts, k) for k in _RESUMABLE}
+        | {"cache_dir": opts.cache_dir and str(Path(opts.cache_dir).resolve())},  # the same cache from anywhere
         "eval_data": [str(Path(p).resolve()) for p in opts.eval_data],
     }
 
@@ -77,6 +78,8 @@ _RESUMABLE = (
     "vocab_size",
     "cache_dir",
     "unwrap",
+    "device",
+    "dtype",
 )
 
 
