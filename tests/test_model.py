@@ -146,6 +146,17 @@ def test_routing_gates_are_sigmoid_values_exactly_k_no_renormalisation():
     assert not torch.allclose(gate.view(10, 3, 2).sum(-1), torch.ones(10, 3))
 
 
+@pytest.mark.parametrize("order", list(itertools.permutations(range(4))))
+def test_routing_ranks_logits_where_float32_sigmoids_saturate(order):
+    """sigmoid(30) == sigmoid(18) == 1.0 in float32: ranking the sigmoid values chose by expert index among them."""
+    logits = torch.tensor([30.0, 18.0, 25.0, 0.0])[list(order)]
+    x, w = torch.eye(4)[:1], torch.zeros(4, 4)
+    w[:, 0] = logits
+    idx, gate = select_topk(x, w, n_groups=1, k=2)
+    assert set(idx[0].tolist()) == {order.index(0), order.index(2)}
+    torch.testing.assert_close(gate, torch.ones(1, 2))
+
+
 def test_shared_selection_really_shares():
     att = ATTENTION["switchhead"](TINY.replace(shared_selection=True))
     assert att.sel_o is None and att.sel_v is not None

@@ -23,7 +23,9 @@ from switchhead.model.config import ModelConfig
 
 
 def wide(t: Tensor) -> Tensor:
-    """At least float32: routing and softmax logits stay accurate under fp16/bf16 (float64 is kept)."""
+    """At least float32 (float64 is kept): a half-precision model run without autocast gets its routing and
+    attention logits in float32. Under autocast the einsums recast their inputs to the autocast dtype, as usual in
+    mixed precision; only `routing_logits` switches autocast off, since there a rounded logit flips a choice."""
     return t if t.dtype == torch.float64 else t.float()
 
 
@@ -72,11 +74,12 @@ def routing_logits(x_ND: Tensor, w_sel: Tensor) -> Tensor:
 def select_topk(x_ND: Tensor, w_sel: Tensor, n_groups: int, k: int) -> tuple[Tensor, Tensor]:
     """Non-competitive routing: per group, top-k of sigmoid(x W_sel) over its experts; the gate is the sigmoid
     value itself (no renormalisation). Returns global expert ids (group g owns g*E..g*E+E-1) and gates, [N, G*k].
-    Computed in float32 as in the paper."""
-    scores = torch.sigmoid(routing_logits(x_ND, w_sel)).view(x_ND.shape[0], n_groups, -1)
-    gate, idx = scores.topk(k, dim=-1, sorted=False)
-    idx = idx + torch.arange(n_groups, device=idx.device)[:, None] * scores.shape[-1]
-    return idx.flatten(1), gate.flatten(1)
+    Computed in float32 as in the paper. The choice ranks the logits, which the sigmoid orders alike: its float32
+    values saturate (every logit above ~17 rounds to 1.0), and a tie would go to the lower expert index."""
+    logits = routing_logits(x_ND, w_sel).view(x_ND.shape[0], n_groups, -1)
+    top, idx = logits.topk(k, dim=-1, sorted=False)
+    idx = idx + torch.arange(n_groups, device=idx.device)[:, None] * logits.shape[-1]
+    return idx.flatten(1), torch.sigmoid(top).flatten(1)
 
 
 def _autocast_dtype(device) -> torch.dtype | None:
