@@ -124,6 +124,9 @@ def _edit_weights(path, fn):
 @pytest.mark.parametrize("damage,message", [
     (lambda p: (p / "config.json").unlink(), "config.json is missing"),
     (lambda p: (p / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda p: ((p / "config.json").unlink(), (p / "config.json").mkdir()), "config.json is not a file"),
+    (lambda p: ((p / "model.safetensors").unlink(), (p / "model.safetensors").symlink_to(p / "gone")),
+     "model.safetensors is not a file"),
     (lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 5), "corrupt"),
     (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]), "corrupt"),
     (lambda p: (p / "config.json").write_text("{not json"), "JSON"),

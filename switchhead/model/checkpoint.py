@@ -126,9 +126,14 @@ def is_saved_checkpoint(path: Path) -> bool:
 def load_config(path: str | Path) -> ModelConfig:
     path = as_path(path, "a checkpoint path", CheckpointError)
     require_dir(path, "checkpoint directory", CheckpointError)
-    if not (path / CONFIG).is_file():
-        raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
+    _require_file(path, CONFIG)
     return read_config(path / CONFIG)
+
+
+def _require_file(path: Path, name: str) -> None:
+    if not (path / name).is_file():
+        missing = not (path / name).exists() and not (path / name).is_symlink()
+        raise CheckpointError(f"{path} is not a checkpoint: {name} is {'missing' if missing else 'not a file'}")
 
 
 def read_config(file: Path) -> ModelConfig:
@@ -172,8 +177,7 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
                               f"stored one; got {dtype!r}")
     path = resolve_checkpoint(path)
     config = load_config(path)
-    if not (path / WEIGHTS).is_file():
-        raise CheckpointError(f"{path} is not a checkpoint: {WEIGHTS} is missing")
+    _require_file(path, WEIGHTS)
     try:
         # safetensors names the CPU "cpu" only: "cpu:0", a valid torch device, would read as a corrupt file.
         tensors = load_file(str(path / WEIGHTS), device="cpu" if device.type == "cpu" else str(device))
