@@ -321,6 +321,14 @@ def test_two_runs_never_share_an_out_dir(corpus, tmp_path):
         fcntl.flock(fd, fcntl.LOCK_EX)  # as a run in progress there holds it
         _assert_user_error(_tiny(out, corpus, tmp_path), f"--out {out} is in use by another training run")
         assert not any(out.iterdir())
+        # A run at work before its first checkpoint has written run.json and its tokenizer: what is reported is
+        # that it is running (--resume said it had stopped), and before any tokenizing.
+        assert _tiny(tmp_path / "done", corpus, tmp_path / "elsewhere").exit_code == 0
+        for name in ("run.json", "tokenizer.model"):
+            shutil.copy(tmp_path / "done" / name, out / name)
+        _assert_user_error(_run("--out", out, "--resume"), f"--out {out} is in use by another training run")
+        _assert_user_error(_tiny(out, corpus, tmp_path), f"--out {out} is in use by another training run")
+        assert not (tmp_path / "cache").exists()
     finally:
         os.close(fd)
     r = _tiny(out, corpus, tmp_path)

@@ -56,6 +56,7 @@ from switchhead.train.rundir import (
     compare_specs,
     lock_run_dir,
     read_resume_state,
+    refuse_if_in_use,
     run_spec,
     truncate_metrics,
     write_run_spec,
@@ -380,6 +381,7 @@ def _train(opts: TrainOptions, device: torch.device, held: contextlib.ExitStack)
     check_fits(base_config.replace(vocab_size=opts.vocab_size), device)  # the tokenizer's size is not known yet
     data_files = check_data_files(opts.data, "training data")
     eval_files = check_data_files(opts.eval_data, "evaluation data") if opts.eval_data else []
+    refuse_if_in_use(out)
     old_spec = check_out_dir(out, opts.resume)  # with --resume, a run with its checkpoint; else None
     ckpt_dir = out / CHECKPOINT_DIR
     cache_dir = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()

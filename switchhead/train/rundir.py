@@ -187,23 +187,40 @@ def check_out_dir(out: Path, resume: bool) -> dict | None:
     return spec
 
 
+def _lock(out: Path, held: contextlib.ExitStack, shared: bool = False) -> bool:
+    """Take the exclusive (or a shared) lock on `out` until `held` closes: False where locks are not supported, a
+    SwitchheadError where another run holds it."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform
+        return False
+    fd = os.open(out, os.O_RDONLY)
+    held.callback(os.close, fd)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SwitchheadError(f"--out {out} is in use by another training run; wait for it to end or choose "
+                              "another directory") from None
+    except OSError:  # a file system without locks (some network ones): unguarded, as where there is no flock
+        return False
+    return True
+
+
+def refuse_if_in_use(out: Path) -> None:
+    """A SwitchheadError now, before any slow work, if another run holds `out`: that it is running is what to
+    report, not what its files look like (run.json and no checkpoint yet: as if it had stopped before one).
+    Shared, so that the processes of one run probing at once do not see each other."""
+    if out.is_dir():
+        with contextlib.ExitStack() as probe:
+            _lock(out, probe, shared=True)
+
+
 def lock_run_dir(out: Path, held: contextlib.ExitStack) -> None:
     """Hold an exclusive lock on the run directory `out` until `held` closes; a SwitchheadError if another run
     holds it. Two runs in one directory would overwrite each other's run.json, tokenizer and checkpoints, which
     --resume would then combine without noticing. Once it is held, no writer of another run can be at work in
     `out`: the temporaries there were left by killed ones, and are removed."""
-    try:
-        import fcntl
-    except ImportError:  # no flock on this platform
-        return
-    fd = os.open(out, os.O_RDONLY)
-    held.callback(os.close, fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SwitchheadError(f"--out {out} is in use by another training run; wait for it to end or choose "
-                              "another directory") from None
-    except OSError:  # a file system without locks (some network ones): unguarded, as where there is no flock
+    if not _lock(out, held):
         return
     for p in out.iterdir():
         if is_temporary(p.name) and p.is_dir():
