@@ -482,7 +482,8 @@ def export_(to_onnx, ckpt, out, opset, dtype, quantize, no_progress):
 @click.option("--max-prompt-tokens", type=int, default=2048, show_default=True,
               help="Longer prompts are refused with 400.")
 @click.option("--max-tokens", type=int, default=2048, show_default=True, help="Largest max_tokens accepted.")
-@click.option("--model-name", help="Model id in the API (default: the checkpoint directory's name).")
+@click.option("--model-name", help="Model id in the API (default: the checkpoint directory's name, the run's for "
+              "a training run's final/ or checkpoint/, 'switchhead' for the built-in model).")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:1, ... for a PyTorch model (--ckpt or the built-in one); an --onnx export "
                    "runs on ONNX Runtime's CUDA provider when usable, else on the CPU.")

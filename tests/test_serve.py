@@ -728,3 +728,19 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_cleanly(ckpt, tmp_path
     log = err.read()
     assert "Traceback" not in log and log.splitlines()[-1] == "terminated", log
     assert len(events) >= 4 and json.loads(events[-1])["error"]["code"] == "shutting_down", events[-3:]
+
+
+def test_default_model_name_is_the_model_directory_or_its_run(tmp_path, monkeypatch):
+    from switchhead.serve.app import default_model_name
+
+    run = tmp_path / "my-model"
+    for d in (run / "final", run / "checkpoint", tmp_path / "plain", tmp_path / "final"):
+        d.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    assert default_model_name(str(run / "final"), None) == "my-model"  # every run's model lies in final/
+    assert default_model_name(None, str(run / "checkpoint")) == "my-model"
+    assert default_model_name(str(tmp_path / "final"), None) == "final"  # no run around it
+    assert default_model_name(str(tmp_path / "plain"), None) == "plain"
+    monkeypatch.chdir(run / "final")
+    assert default_model_name(".", None) == "my-model"
+    assert default_model_name(None, None) == "switchhead"

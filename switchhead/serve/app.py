@@ -323,5 +323,14 @@ async def _disconnected(request: Request) -> None:
 
 
 def default_model_name(ckpt: str | None, onnx_dir: str | None) -> str:
+    """The directory's name; for a training run's final/ or checkpoint/, the run's; "switchhead" for the built-in
+    model."""
+    from switchhead.train.rundir import CHECKPOINT_DIR, FINAL_DIR, RUN_FILE
+
     path = Path(ckpt or onnx_dir or "switchhead")  # neither: the built-in default model
-    return path.resolve().name if path.exists() else path.name
+    if not path.exists():
+        return path.name
+    path = path.resolve()
+    if path.name in (FINAL_DIR, CHECKPOINT_DIR) and (path.parent / RUN_FILE).is_file():
+        return path.parent.name  # every run's model lies in a directory called final
+    return path.name
