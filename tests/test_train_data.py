@@ -211,20 +211,60 @@ def test_unusable_token_cache_is_a_one_line_error(tmp_path, sp):
     assert cache.read_text() == "a file, not a directory"
 
 
-@pytest.mark.parametrize("damage", ["cut mid-way", "cut in the header", "garbled", "other dtype"])
+@pytest.mark.parametrize("damage", ["cut mid-way", "cut in the header", "garbled", "other dtype", "empty file",
+                                    "no tokens", "cut by its header"])
 def test_damaged_token_cache_entry_is_a_one_line_error(tmp_path, sp, damage):
     data = _corpus(tmp_path / "a.txt", n_lines=20)
     cache = tmp_path / "cache"
-    cached_tokens(sp, data, cache)
+    ids = cached_tokens(sp, data, cache).copy()
     (entry,) = cache.glob("*.npy")
     raw = entry.read_bytes()
-    entry.write_bytes({"cut mid-way": raw[: len(raw) // 2], "cut in the header": raw[:60], "garbled": b"x" * len(raw),
-                       "other dtype": b""}[damage])
-    if damage == "other dtype":
-        np.save(entry, np.zeros(10, dtype=np.float64))
+    # "empty file": what a crash between the write and the disk leaves (numpy raised EOFError, which click
+    # reports as "Aborted!"); "no tokens" and "cut by its header" (a rewritten shape) passed as token arrays.
+    entry.write_bytes({"cut mid-way": raw[: len(raw) // 2], "cut in the header": raw[:60], "garbled": b"x" * len(raw)}
+                      .get(damage, b""))
+    if damage in ("other dtype", "no tokens", "cut by its header"):
+        np.save(entry, {"other dtype": np.zeros(10, dtype=np.float64), "no tokens": ids[:0],
+                        "cut by its header": ids[:-3]}[damage])
     with pytest.raises(SwitchheadError, match=f"the token cache entry {entry} is damaged") as e:
         cached_tokens(sp, data, cache)
     assert "\n" not in str(e.value)
+
+
+def test_token_cache_entries_are_written_through_temporaries_of_their_own(tmp_path, sp, monkeypatch):
+    """Two builders of one entry whose PIDs are equal (containers sharing a cache volume) wrote one temporary,
+    each truncating the other's tokens, and renamed it into place half written."""
+    data = _corpus(tmp_path / "a.txt", n_lines=20)
+    cache = tmp_path / "cache"
+    want = cached_tokens(sp, data, tmp_path / "reference").copy()
+    real_save = np.save
+
+    def save(f, arr):  # another builder (of this PID, as in another container) runs while this one writes
+        with monkeypatch.context() as m:
+            m.setattr(np, "save", real_save)
+            assert np.array_equal(cached_tokens(sp, data, cache), want)
+        real_save(f, arr)
+
+    monkeypatch.setattr(np, "save", save)
+    assert np.array_equal(cached_tokens(sp, data, cache), want)
+    (entry,) = cache.iterdir()  # no temporary left
+    assert np.array_equal(np.load(entry), want)
+
+
+def test_a_directory_reached_twice_is_found_under_its_first_path_in_order(tmp_path):
+    """os.walk lists in the file system's order: which name a linked directory got (so where its files came in the
+    documents' order) differed between copies of one tree."""
+    from switchhead.train.data import check_data_files
+
+    for i in range(8):
+        root = tmp_path / f"t{i}"
+        real, link = (f"{i}-real", f"{i}-link") if i % 2 else (f"{i}-a-real", f"{i}-b-link")
+        (root / real).mkdir(parents=True)
+        (root / real / "f.txt").write_text("linked")
+        (root / "m.txt").write_text("main")
+        (root / link).symlink_to(root / real)
+        first = min(real, link)
+        assert check_data_files([root], "training data") == [root / first / "f.txt", root / "m.txt"], i
 
 
 def test_data_directory_includes_subdirectories_and_skips_hidden_ones(tmp_path):

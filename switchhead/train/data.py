@@ -11,6 +11,7 @@ import codecs
 import contextlib
 import hashlib
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,9 @@ def _txt_files(root: Path) -> list[Path]:
             dirs.clear()
             continue
         seen.add(real)
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        # Sorted: os.walk lists in the file system's order, and with linked directories that order decides the path
+        # under which a directory reached twice is recorded, so the documents' order would depend on the disk.
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         # A dangling or looping link is listed here too, and refused by check_data_files rather than skipped.
         found += [Path(parent, n) for n in names if n.endswith(".txt") and not n.startswith(".")]
     return sorted(found)
@@ -128,8 +131,9 @@ def cached_tokens(
     """The token stream of one file (followed by EOS), memory-mapped from the cache; built on first use.
 
     The key covers the file content, the tokenizer and `unwrap` (see `unwrap_paragraphs`), so changing any
-    of them invalidates the entry; entries are
-    written to a temporary file and renamed, so concurrent builders and crashes cannot leave a torn file.
+    of them invalidates the entry; entries are written to a temporary file of their own (unique also between
+    processes of one PID in different containers sharing the cache), synced and renamed, so concurrent builders
+    and crashes cannot leave a torn file.
     """
     cache_dir = Path(cache_dir)
     reading = "unwrap" if unwrap else "verbatim"
@@ -139,7 +143,7 @@ def cached_tokens(
     ).hexdigest()
     target = cache_dir / f"{key[:32]}.npy"
     if not target.is_file():
-        tmp = cache_dir / f".{target.name}.{os.getpid()}.tmp"
+        tmp = None
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)  # before the slow encoding, so a bad cache fails fast
             ids = encode_file(sp, path, unwrap=unwrap)
@@ -147,24 +151,29 @@ def cached_tokens(
             # would be stored under the key of content they do not come from, and served for it later.
             if file_digest(path) != digest:
                 raise SwitchheadError(f"{path} changed while it was being tokenized; run again once it is complete")
-            with open(tmp, "wb") as f:
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=cache_dir)
+            with open(fd, "wb") as f:
                 np.save(f, ids.astype(token_dtype(sp), copy=False))
+                f.flush()
+                os.fsync(f.fileno())  # else a crash after the rename may leave an empty entry
             os.replace(tmp, target)
         except OSError as e:
             raise SwitchheadError(f"cannot write the token cache in {cache_dir}: {e.strerror or e}") from None
         finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
     damaged = SwitchheadError(f"the token cache entry {target} is damaged (not a whole token array); delete it "
                               "and it is rebuilt")
     try:
         ids = np.load(target, mmap_mode="r")
     except OSError as e:
         raise SwitchheadError(f"cannot read the token cache {target}: {e.strerror or e}") from None
-    except ValueError:  # numpy's complaint about a cut-off or garbled .npy
+    except (ValueError, EOFError):  # numpy's complaint about a cut-off or garbled .npy (EOFError: an empty file)
         raise damaged from None
-    # Anything else would be read as other tokens, silently.
-    if ids.ndim != 1 or ids.dtype != token_dtype(sp):
+    # Anything else would be read as other tokens, silently. Every entry ends with the EOS its file is followed
+    # by: an empty entry, or one cut short by a rewritten header, does not.
+    if ids.ndim != 1 or ids.dtype != token_dtype(sp) or not len(ids) or ids[-1] != sp.eos_id():
         raise damaged
     return ids
 
