@@ -196,6 +196,9 @@ def test_bad_options(corpus, tmp_path):
     _assert_user_error(_run("--config", "no-such-preset", "--data", corpus, "--out", tmp_path / "o"), "unknown config")
     _assert_user_error(_run("--config", "tiny-switchhead", "--data", corpus, "--out", tmp_path / "o", "--tokenizer",
                             tmp_path / "none.model"), "tokenizer model not found")
+    (tmp_path / "dir.model").mkdir()
+    _assert_user_error(_run("--config", "tiny-switchhead", "--data", corpus, "--out", tmp_path / "o", "--tokenizer",
+                            tmp_path / "dir.model"), "dir.model is a directory, not a SentencePiece model file")
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--dtype", "float16"), "float16 needs a CUDA")
     _assert_user_error(_tiny(tmp_path / "o", corpus, tmp_path, "--tokenizer", tmp_path / "t.model"),
                        "--vocab-size is the size of a tokenizer trained on --data; with --tokenizer")

@@ -191,6 +191,8 @@ def save_tokenizer(sp: spm.SentencePieceProcessor, path: str | Path) -> None:
 def load_tokenizer(path: str | Path) -> spm.SentencePieceProcessor:
     path = as_path(path, "the tokenizer path")
     if not path.is_file():
+        if path.is_dir():
+            raise SwitchheadError(f"tokenizer model {path} is a directory, not a SentencePiece model file")
         raise SwitchheadError(f"tokenizer model not found: {path}")
     sp = spm.SentencePieceProcessor()
     try:
