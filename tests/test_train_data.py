@@ -200,6 +200,9 @@ def test_data_files_must_be_utf8(tmp_path):
     blank.write_bytes(b" \n\t\n")
     with pytest.raises(SwitchheadError, match="empty"):
         check_data_files([blank])
+    blank.write_text("\ufeff\u00a0\u3000\n\u2028\x1c", encoding="utf-8")  # Unicode's whitespace: no text either
+    with pytest.raises(SwitchheadError, match="empty"):
+        check_data_files([blank])
 
 
 def test_unusable_token_cache_is_a_one_line_error(tmp_path, sp):

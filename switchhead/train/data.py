@@ -96,12 +96,13 @@ def _check_text(path: Path) -> bool:
                 block = f.read(1 << 20)
                 pending = decoder.getstate()[0]  # the start of a character split by the previous block
                 try:
-                    decoder.decode(block, final=not block)
+                    text = decoder.decode(block, final=not block)
                 except UnicodeDecodeError as e:
                     raise not_utf8(path, pending + block, e.start, offset - len(pending) + e.start, newlines) from None
                 if not block:
                     return not blank
-                blank = blank and not (block if offset else block.removeprefix(codecs.BOM_UTF8)).strip()
+                # str.strip: Unicode's whitespace too (a file of no-break spaces holds no text either)
+                blank = blank and not (text if offset else text.removeprefix("\ufeff")).strip()
                 offset += len(block)
                 newlines += block.count(b"\n")
     except OSError as e:
