@@ -75,18 +75,30 @@ def require_dir(path: str | Path, what: str, error: type[SwitchheadError] = Swit
                     f"{what} not found: {path}")
 
 
+def file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a file: None where it is a regular file (or a link to one), else "not found",
+    "a directory", "a dangling or looping symbolic link" or "not a regular file" (a device, a pipe)."""
+    p = Path(path)
+    if p.is_file():
+        return None
+    if p.is_dir():
+        return "a directory"
+    if p.exists():
+        return "not a regular file"
+    return "a dangling or looping symbolic link" if p.is_symlink() else "not found"
+
+
 def check_creatable(path: str | Path, what: str) -> None:
     """A one-line error where creating `path` (and its missing parents) would fail: under a file, or in a
     directory this process cannot write. That is tried with a probe file, created and deleted: os.access says
     yes to root everywhere, also on read-only file systems and in /sys or /proc, where the real write would
     fail only after the slow work."""
     parent = _nearest_existing(path)
-    # A broken link on the way counts as missing to exists(), but creating the directory would fail on it.
-    for p in (Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents):
-        if p == parent:
-            break
-        if p.is_symlink():
-            raise SwitchheadError(f"{what} {path}: cannot be created, {p} is a broken link (to {os.readlink(p)})")
+    # A broken link on the way counts as missing to exists(), but creating the directory would fail on it (one can
+    # only lie below the nearest existing ancestor).
+    target = Path(os.path.abspath(path))
+    if link := next((p for p in (target, *target.parents) if p.is_symlink() and not p.exists()), None):
+        raise SwitchheadError(f"{what} {path}: cannot be created, {link} is a broken link (to {os.readlink(link)})")
     if not parent.is_dir():
         raise SwitchheadError(f"{what} {path}: cannot be created, {parent} is not a directory")
     check_writable(parent, f"{what} {path}")

@@ -124,9 +124,9 @@ def _edit_weights(path, fn):
 @pytest.mark.parametrize("damage,message", [
     (lambda p: (p / "config.json").unlink(), "config.json is missing"),
     (lambda p: (p / "model.safetensors").unlink(), "model.safetensors is missing"),
-    (lambda p: ((p / "config.json").unlink(), (p / "config.json").mkdir()), "config.json is not a file"),
+    (lambda p: ((p / "config.json").unlink(), (p / "config.json").mkdir()), "config.json is a directory"),
     (lambda p: ((p / "model.safetensors").unlink(), (p / "model.safetensors").symlink_to(p / "gone")),
-     "model.safetensors is not a file"),
+     "model.safetensors is a dangling or looping symbolic link"),
     (lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 5), "corrupt"),
     (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]), "corrupt"),
     (lambda p: (p / "config.json").write_text("{not json"), "JSON"),
@@ -151,7 +151,7 @@ def _edit_weights(path, fn):
     (lambda p: ((p / "tokenizer.model").unlink(), (p / "tokenizer.model").mkdir()),
      "tokenizer.model is a directory, not a tokenizer model"),
     (lambda p: ((p / "tokenizer.model").unlink(), (p / "tokenizer.model").symlink_to(p / "gone")),
-     "tokenizer.model is a broken link, not a tokenizer model"),
+     "tokenizer.model is a dangling or looping symbolic link, not a tokenizer model"),
     # a saved config has every key: a missing one (here the memory's) must not quietly become its default
     (lambda p: (p / "config.json").write_text(json.dumps({k: v for k, v in json.loads(
         (p / "config.json").read_text()).items() if k != "mem_chunks"})), r"config key\(s\) missing: mem_chunks"),

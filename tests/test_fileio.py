@@ -70,6 +70,19 @@ def test_paths_that_cannot_be_created(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "locked"]  # the probes leave nothing behind
 
 
+def test_file_problem_names_what_is_there_instead_of_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "to-f").symlink_to(tmp_path / "f")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert [fileio.file_problem(tmp_path / n) for n in ("f", "to-f", "d", "dangling", "loop", "missing")] == [
+        None, None, "a directory", "a dangling or looping symbolic link", "a dangling or looping symbolic link",
+        "not found"]
+    if Path("/dev/null").exists():
+        assert fileio.file_problem("/dev/null") == "not a regular file"
+
+
 def test_broken_links_on_the_way_cannot_be_created(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")

@@ -19,6 +19,7 @@ from switchhead.fileio import (
     as_path,
     atomic_directory,
     check_output_dir,
+    file_problem,
     holds_only,
     read_utf8,
     require_dir,
@@ -131,9 +132,9 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def _require_file(path: Path, name: str) -> None:
-    if not (path / name).is_file():
-        missing = not (path / name).exists() and not (path / name).is_symlink()
-        raise CheckpointError(f"{path} is not a checkpoint: {name} is {'missing' if missing else 'not a file'}")
+    if problem := file_problem(path / name):
+        problem = "missing" if problem == "not found" else problem
+        raise CheckpointError(f"{path} is not a checkpoint: {name} is {problem}")
 
 
 def read_config(file: Path) -> ModelConfig:
@@ -147,11 +148,10 @@ def read_config(file: Path) -> ModelConfig:
 
 def read_tokenizer(file: Path, config: ModelConfig):
     """The SentencePieceProcessor in `file` (None if there is none), which must have the model's vocab_size."""
-    if not file.is_file():
-        if file.is_symlink() or file.exists():  # not absent: a directory or a broken link is a damaged checkpoint
-            kind = "a directory" if file.is_dir() else "a broken link" if not file.exists() else "not a regular file"
-            raise CheckpointError(f"{file} is {kind}, not a tokenizer model")
-        return None
+    if problem := file_problem(file):
+        if problem == "not found":
+            return None
+        raise CheckpointError(f"{file} is {problem}, not a tokenizer model")  # a damaged checkpoint, not one without
     import sentencepiece as spm
 
     tokenizer = spm.SentencePieceProcessor()

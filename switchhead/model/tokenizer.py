@@ -25,7 +25,7 @@ import sentencepiece as spm
 
 from switchhead.devices import check_threads
 from switchhead.errors import SwitchheadError, check_flag, is_int
-from switchhead.fileio import as_path, read_utf8, text_paths, write_atomic
+from switchhead.fileio import as_path, file_problem, read_utf8, text_paths, write_atomic
 
 NEWLINE = "\n"
 UNK_ID, EOS_ID = 0, 1
@@ -190,10 +190,9 @@ def save_tokenizer(sp: spm.SentencePieceProcessor, path: str | Path) -> None:
 
 def load_tokenizer(path: str | Path) -> spm.SentencePieceProcessor:
     path = as_path(path, "the tokenizer path")
-    if not path.is_file():
-        if path.is_dir():
-            raise SwitchheadError(f"tokenizer model {path} is a directory, not a SentencePiece model file")
-        raise SwitchheadError(f"tokenizer model not found: {path}")
+    if problem := file_problem(path):
+        raise SwitchheadError(f"tokenizer model not found: {path}" if problem == "not found" else
+                              f"tokenizer model {path} is {problem}, not a SentencePiece model file")
     sp = spm.SentencePieceProcessor()
     try:
         sp.load(str(path))

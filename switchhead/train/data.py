@@ -20,7 +20,7 @@ import numpy as np
 import sentencepiece as spm
 
 from switchhead.errors import SwitchheadError, is_int
-from switchhead.fileio import check_creatable, not_utf8
+from switchhead.fileio import check_creatable, file_problem, not_utf8
 from switchhead.model.tokenizer import encode_file, token_dtype, tokenizer_fingerprint
 
 # Bump when the way files become tokens changes, so stale caches are not reused.
@@ -73,10 +73,8 @@ def check_data_files(files: Sequence[str | Path], what: str = "data") -> list[Pa
     paths = []
     for f in _expand_dirs(files, what):
         p = Path(f)
-        if not p.is_file():
-            problem = ("is not a regular file" if p.exists() else
-                       "is a dangling or looping symbolic link" if p.is_symlink() else "not found")
-            raise SwitchheadError(f"{what} file {problem}: {p}")
+        if problem := file_problem(p):
+            raise SwitchheadError(f"{what} file {problem if problem == 'not found' else 'is ' + problem}: {p}")
         if not _check_text(p):
             raise SwitchheadError(f"{what} file is empty: {p}")
         paths.append(p)
