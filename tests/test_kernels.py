@@ -192,6 +192,24 @@ def test_gather_forward_in_float64_is_exact(shape):
     torch.testing.assert_close(got, naive(x, w, index, gate, shape.n_out), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], SHAPES[3]], ids=str)
+def test_gather_forward_after_inference_mode_records_autograd(shape):
+    """The embedding_bag's offsets are cached per shape: a first call in inference mode (decoding) must not leave
+    an inference tensor behind for a later call whose autograd saves it (the regime called with inputs that
+    require grad), and the second call's gradients are the loop's."""
+    exact, _ = make(shape)
+    x, w, index, gate, grad = exact
+    with torch.inference_mode():
+        first = torch_paths.FORWARD["gather"](x, w, index, gate, shape.n_out)
+    trained = [t.clone().requires_grad_() for t in (x, w) + ((gate,) if gate is not None else ())]
+    got = torch_paths.FORWARD["gather"](*trained[:2], index, trained[2] if gate is not None else None, shape.n_out)
+    torch.testing.assert_close(got.detach(), first, rtol=0, atol=0)
+    want = naive_all(shape, exact)
+    grads = torch.autograd.grad(got, trained, grad)
+    for g, expected in zip((got.detach(), *grads), want):
+        torch.testing.assert_close(g, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("shape", [SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[10], SHAPES[11]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("regime", ["grouped", "combo"])

@@ -422,14 +422,26 @@ def _bag_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, 
     row is the bag of its slots' expert rows, weighted by gate * x. One call instead of a product per pair, and
     still only the experts used are read (docs/BENCHMARKS.md: 0.58-0.83x the loop's time at N = 1)."""
     n, slots = index.shape
-    d_in, d_out = weight.shape[1:]
-    rows = _gated(_per_slot(x, slots), gate)  # [N, S, D_in]: the weight of every expert row
-    ids = (index.long().unsqueeze(-1) * d_in + torch.arange(d_in, device=x.device)).reshape(-1)
-    bags = torch.arange(0, n * slots * d_in, slots // n_out * d_in, device=x.device)  # one per output row
-    out = torch.nn.functional.embedding_bag(
-        ids, weight.reshape(-1, d_out), bags, mode="sum", per_sample_weights=rows.reshape(-1)
-    )
+    n_in, d_in, d_out = x.shape[1], *weight.shape[1:]
+    # At a few pairs the call is a few dozen microseconds, most of it the small ops that build the bag's arguments,
+    # so they are as few as possible: the weight of every expert row, [N, I, S/I, D_in], in one broadcast multiply,
+    # the row ids in one add, the bag offsets cached; and the embedding_bag op without its functional wrapper.
+    x_per_slot = x.unsqueeze(2).expand(n, n_in, slots // n_in, d_in)
+    rows = x_per_slot if gate is None else x_per_slot * gate.reshape(n, n_in, slots // n_in, 1).to(x.dtype)
+    ids = torch.add(_steps(d_in, 1, x.device), index.unsqueeze(-1), alpha=d_in).view(-1)  # e * D_in + [0, D_in)
+    bags = _steps(n * slots * d_in, slots // n_out * d_in, x.device)  # one per output row
+    sum_mode = 0  # what F.embedding_bag passes for mode="sum"
+    table = weight.reshape(-1, d_out)
+    out = torch.embedding_bag(table, ids, bags, mode=sum_mode, per_sample_weights=rows.reshape(-1))[0]
     return out.view(n, n_out, d_out)
+
+
+@functools.lru_cache(maxsize=256)
+def _steps(stop: int, step: int, device: torch.device) -> Tensor:
+    """torch.arange(0, stop, step): the same few per model and batch size. Made as a normal tensor even inside
+    inference mode, so that a later call that records autograd may use it too."""
+    with torch.inference_mode(False):
+        return torch.arange(0, stop, step, device=device)
 
 
 def gather_backward(
