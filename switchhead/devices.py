@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -31,6 +32,16 @@ def native_half(dtype: torch.dtype) -> bool:
     if wanted is None:
         raise SwitchheadError(f"native_half asks about torch.bfloat16 or torch.float16, got {brief(dtype)}")
     return any(flag in _cpu_flags() for flag in wanted)
+
+
+def autocast_off(device_type: str) -> AbstractContextManager:
+    """A context that switches autocast off on `device_type` where it is on, and otherwise one that does nothing:
+    building and entering a torch.autocast costs several microseconds, and the model's routing and every expert
+    projection ask for this a dozen times in each decode step, almost always with autocast already off. (A device
+    type without autocast, such as meta, has nothing to switch off.)"""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 def set_threads(threads: int | None) -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from switchhead import PRESETS, TransformerLM
-from switchhead.devices import check_allocation, memory, native_half
+from switchhead.devices import autocast_off, check_allocation, memory, native_half
 from switchhead.errors import ConfigError, SwitchheadError
 
 
@@ -13,6 +13,18 @@ def test_native_half_answers_for_half_dtypes_and_refuses_others():
     for dtype in (torch.float32, "bfloat16", None):  # float32 was a KeyError
         with pytest.raises(SwitchheadError, match="native_half asks about torch.bfloat16 or torch.float16"):
             native_half(dtype)
+
+
+def test_autocast_off_switches_off_only_its_device_type_and_restores_it():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast_off("cpu"):
+            assert not torch.is_autocast_enabled("cpu")
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        with autocast_off("cuda"):  # another device type's autocast, off already: the CPU's stays on
+            assert torch.is_autocast_enabled("cpu")
+    with autocast_off("cpu"), autocast_off("meta"):  # off already; meta has no autocast at all
+        assert not torch.is_autocast_enabled("cpu")
 
 
 def test_memory_takes_a_device_or_its_name():

@@ -10,7 +10,7 @@ import torch
 from switchhead import PRESETS, ModelConfig, TransformerLM
 from switchhead.errors import SwitchheadError
 from switchhead.kernels import expert_projection
-from switchhead.model.layers import ATTENTION, Block, SigmaMoE, moe_project, select_topk
+from switchhead.model.layers import ATTENTION, Block, SigmaMoE, moe_project, routing_logits, select_topk
 
 TINY = PRESETS["tiny-switchhead"].replace(d_model=24, d_head=8, n_experts=3, k=2, chunk_len=6, n_layers=2,
                                           vocab_size=37)
@@ -144,6 +144,19 @@ def test_routing_gates_are_sigmoid_values_exactly_k_no_renormalisation():
             torch.testing.assert_close(gate[n, h * 2:(h + 1) * 2], scores[n, ids])
             assert set(ids.tolist()) == set((scores[n, h * 5:(h + 1) * 5].topk(2).indices + h * 5).tolist())
     assert not torch.allclose(gate.view(10, 3, 2).sum(-1), torch.ones(10, 3))
+
+
+def test_routing_logits_stay_float32_under_autocast():
+    """A logit rounded to bf16 (3 significant digits) flips top-k choices: routing computes in float32 inside
+    autocast, and the same logits outside it."""
+    x, w = torch.randn(6, 24, generator=torch.Generator().manual_seed(0)), torch.randn(8, 24)
+    want = x.double() @ w.double().T
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = routing_logits(x, w)
+    outside = routing_logits(x, w)
+    assert inside.dtype == outside.dtype == torch.float32
+    assert torch.equal(inside, outside)
+    torch.testing.assert_close(inside.double(), want, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations(range(4))))

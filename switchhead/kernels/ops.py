@@ -62,12 +62,12 @@ not for float64), ``torch``, ``reference`` (`reference`: slow, obviously correct
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
+from switchhead.devices import autocast_off
 from switchhead.errors import SwitchheadError
 from switchhead.kernels import reference, torch_paths
 
@@ -227,7 +227,9 @@ def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_ou
     backend = backend_for(x)
     if x.shape[0] == 0:  # no tokens: nothing to launch (and no per-backend corner case to get right)
         return x.new_zeros(0, n_out, weight.shape[-1])
-    with _autocast_off(x):
+    # Autocast does not cast a custom op's inputs, but it would reach the matmuls inside the PyTorch paths and round
+    # their float32 products and sums (widened half inputs, gated rows) to half precision mid-op.
+    with autocast_off(x.device.type):
         if backend == "triton":
             if _dense_on_cuda(x, weight, index, n_out):
                 return torch_paths.dense_forward(x, weight, index, gate, n_out)
@@ -244,15 +246,6 @@ def _dense_on_cuda(x: Tensor, weight: Tensor, index: Tensor, n_out: int, rule=to
         return False
     shape = x.shape[0], x.shape[1], index.shape[1], n_out, *weight.shape
     return rule(*shape, x.dtype) and _choice() == "auto"
-
-
-def _autocast_off(t: Tensor) -> AbstractContextManager:
-    """Autocast does not cast a custom op's inputs, but it would reach the matmuls inside the PyTorch paths and round
-    their float32 products and sums (widened half inputs, gated rows) to half precision mid-op."""
-    device = t.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.autocast(device, enabled=False)
-    return nullcontext()
 
 
 @expert_projection.register_fake
@@ -274,7 +267,7 @@ def expert_projection_backward(
         grad_x, grad_w, grad_gate = _grad_buffers(x, weight, index, gate, need_gate_grad, need_weight_grad)
         return grad_x, grad_w.zero_(), grad_gate
     args = grad, x, weight, index, gate, need_gate_grad, need_weight_grad
-    with _autocast_off(x):
+    with autocast_off(x.device.type):  # as in the forward
         if backend == "triton":
             dense = _dense_on_cuda(x, weight, index, grad.shape[1], torch_paths.cuda_prefers_dense_backward)
             return _triton().backward(*args, dense_grad_x=dense, dense_grad_w=dense)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from switchhead.devices import autocast_off
 from switchhead.kernels.ops import project
 from switchhead.model.config import ModelConfig
 
@@ -67,7 +68,7 @@ def moe_project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n
 
 def routing_logits(x_ND: Tensor, w_sel: Tensor) -> Tensor:
     """Selection logits in (at least) float32, autocast or not: low-precision logits flip top-k choices."""
-    with torch.autocast(x_ND.device.type, enabled=False):
+    with autocast_off(x_ND.device.type):
         return F.linear(wide(x_ND), wide(w_sel))
 
 
