@@ -1805,10 +1805,10 @@ def _dispatched(fn) -> tuple[object, bool]:
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # torch's own use, and the trace below
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4], SHAPES[6]], ids=str)
 def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend):
-    """The model's entry point calls the op's implementation directly in eager CPU calls that record no graph (the
-    dispatch is a large part of a decode step's op), with the op's exact result, and the op itself wherever autograd
-    records, or a dispatch or function mode, a tensor subclass, jit tracing, dynamo, forward-mode AD or a meta tensor
-    is about."""
+    """The model's entry point calls the op's implementation directly in eager calls that record no graph (the
+    dispatch is a large part of a decode step's op), on the CPU and the suite's device, with the op's exact result,
+    and the op itself wherever autograd records, or a dispatch or function mode, a tensor subclass, jit tracing,
+    dynamo, forward-mode AD or a meta tensor is about."""
     from switchhead.kernels.ops import project
 
     backend("torch")
@@ -1821,6 +1821,13 @@ def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend
             got, dispatched = _dispatched(lambda: project(*args))
         assert not dispatched
         assert torch.equal(got, want)
+    # on the suite's device too (CUDA with SWITCHHEAD_TEST_DEVICE=cuda), whose host time the dispatch would add to
+    on_dev = (*on_device((x, w, index, gate)), shape.n_out)
+    with torch.no_grad():
+        want_dev = expert_projection(*on_dev)
+    with torch.inference_mode():
+        got, dispatched = _dispatched(lambda: project(*on_dev))
+    assert not dispatched and torch.equal(got, want_dev)
     trained = [t.detach().requires_grad_() for t in (x, w)]
     with torch.no_grad():  # requires grad, but no graph is recorded
         got, dispatched = _dispatched(lambda: project(*trained, index, gate, shape.n_out))

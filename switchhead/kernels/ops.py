@@ -47,8 +47,8 @@ reverse-mode transforms (`grad`, `jacrev`) refuse it, while forward mode (torch.
 `torch.func.jvp`, `jacfwd`) silently gives its output a zero tangent.
 
 The model calls it through `project`, which runs the same implementation without the dispatcher where nothing
-needs the op itself: eager CPU calls that record no autograd graph (inference and decoding), outside tracing,
-modes and transforms.
+needs the op itself: eager calls on CPU, CUDA or MPS tensors that record no autograd graph (inference and
+decoding), outside tracing, modes and transforms.
 
 Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`; float64 ones -> PyTorch, since the
 kernels accumulate in float32; and the fp16/bf16 forward of the O-like shapes where cuBLAS is measured faster ->
@@ -183,9 +183,10 @@ def expert_projection(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
 
 def project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
     """`expert_projection`, with its implementation called directly where the dispatcher would add nothing but time:
-    an eager CPU call that records no autograd graph (inference, decoding), outside compile and export tracing,
-    dispatch and function modes, functorch transforms and tensor subclasses. At batch-1 decode the custom op's
-    dispatch is a large part of the op (docs/BENCHMARKS.md, "Decode: the op without its dispatcher")."""
+    an eager call that records no autograd graph (inference, decoding) on CPU, CUDA or MPS tensors, outside compile
+    and export tracing, dispatch and function modes, functorch transforms and tensor subclasses. At batch-1 decode
+    the custom op's dispatch is a large part of the op (docs/BENCHMARKS.md, "Decode: the op without its
+    dispatcher"); on a GPU it is host time, which is what a small decode step waits on."""
     if _plain_eager(x, weight, index, gate):
         return _forward(x, weight, index, gate, n_out)
     if type(n_out) is not int:  # the dispatcher's int argument would take True as R = 1 before `_check` saw it
@@ -201,11 +202,12 @@ _MODE_PROBES = (
     getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None),
 )
 _PROBED = all(_MODE_PROBES) and hasattr(torch.autograd.forward_ad, "_current_level")
+_DIRECT_DEVICES = ("cpu", "cuda", "mps")
 
 
 def _plain_eager(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) -> bool:
-    if not _PROBED or torch.compiler.is_compiling() or torch.jit.is_tracing() or x.device.type != "cpu":
-        return False
+    if not _PROBED or torch.compiler.is_compiling() or torch.jit.is_tracing() or x.device.type not in _DIRECT_DEVICES:
+        return False  # (a meta tensor, among others, needs the op's fake implementation)
     if torch.autograd.forward_ad._current_level >= 0:
         return False  # dual tensors may be about: the op's forward-mode behaviour (a zero tangent) stays the same
     grads = x.requires_grad or weight.requires_grad or (gate is not None and gate.requires_grad)
