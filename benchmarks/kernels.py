@@ -14,6 +14,7 @@
     python benchmarks/kernels.py --n 4096 16384 --regimes dense combo --device cuda --dtype bfloat16   # vs Triton
     python benchmarks/kernels.py --n 4096 --regimes dense --case O6 112 1024 4 1 4 6 2   # --regimes on other shapes
     python benchmarks/kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16   # weight-gradient chunks
+    python benchmarks/kernels.py --n 1 256 4096 16384 --host --dtype bfloat16   # the op's host time per call on CUDA
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -589,6 +590,62 @@ def gpu_table(
     return lines
 
 
+def host_table(
+    ns: list[int],
+    device: str = "cuda",
+    cases: list[Case] = CASES,
+    dtype: torch.dtype = torch.bfloat16,
+    calls: int = 20,
+    top: int = 8,
+) -> list[str]:
+    """Host time of the op as it runs by default, forward and backward: what the CPU spends issuing one call
+    (Python, the dispatcher, autograd, allocations, kernel launches), timed over `calls` calls without waiting for
+    the GPU (they queue far fewer launches than the GPU's queue holds), then the `top` functions with the most own
+    time in `calls` more calls under cProfile (which slows Python down: compare its rows with each other, not with
+    the host time). On the GPU a call whose host time exceeds its GPU time keeps the GPU waiting: the "wall" columns
+    of the GPU table. `device` and `cases` let it run on the CPU with tiny cases, which checks this code without a
+    GPU (there the host does the arithmetic too, so the numbers mean nothing)."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    lines = _table("| case | N | fwd host ms | bwd host ms |")
+    for case in cases:
+        for n in ns:
+            x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
+            grads = [x, w] + ([gate] if gate is not None else [])
+            fwd = _call(expert_projection, x, w, index, gate, case.n_out)
+            out = fwd()
+            bwd = _call(torch.autograd.grad, out, grads, torch.randn_like(out), True)
+            bwd()  # compiled and tuned before anything is timed
+            cells, profiles = [], []
+            for step, fn in (("forward", fwd), ("backward", bwd)):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                cells.append(f"{(time.perf_counter() - t0) / calls * 1e3:.4f}")
+                sync()
+                profile = cProfile.Profile()
+                profile.enable()
+                for _ in range(calls):
+                    fn()
+                profile.disable()
+                sync()
+                profiles.append(f"    {step}: " + _own_time(pstats.Stats(profile), calls, top))
+            _add_row(lines, f"| {case.name} | {n} | " + " | ".join(cells) + " |")
+            for line in profiles:
+                print(line, flush=True)
+    return lines
+
+
+def _own_time(stats, calls: int, top: int) -> str:
+    """'us function (file:line); ...': the `top` functions by own time per call, most first."""
+    rows = sorted(((tt, key) for key, (_, _, tt, _, _) in stats.stats.items()), reverse=True)[:top]
+    where = lambda path, line: "" if path == "~" else f" ({os.path.basename(path)}:{line})"  # noqa: E731 (~: builtins)
+    return "; ".join(f"{tt / calls * 1e6:.1f} {name}{where(path, line)}" for tt, (path, line, name) in rows)
+
+
 @contextmanager
 def _backend(choice: str | None) -> Iterator[None]:
     """SWITCHHEAD_KERNEL set to `choice` (None: left as it is) inside the block, restored after it."""
@@ -749,6 +806,11 @@ def main() -> None:
         "--gpu-n", type=int, nargs="+", default=[1, 256, 4096, 16384], help="token counts of the GPU table"
     )
     parser.add_argument(
+        "--host",
+        action="store_true",
+        help="only the op's host time per call on CUDA, forward and backward, and where it goes (cProfile)",
+    )
+    parser.add_argument(
         "--weight-grad-splits",
         type=int,
         nargs="+",
@@ -769,6 +831,13 @@ def main() -> None:
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()},"
         f" CPU regime costs {torch_paths.this_cpu()}"
     )
+    if args.host:
+        if not torch.cuda.is_available():
+            parser.error("--host needs a CUDA device")
+        print(f"\n## GPU ({torch.cuda.get_device_name()}): the op's host time per call ({args.dtype}, ms), and the "
+              "functions with the most own time per call under cProfile (us)\n")  # fmt: skip
+        host_table(args.n, dtype=getattr(torch, args.dtype))
+        return
     if args.weight_grad_splits:
         if min(args.weight_grad_splits) < 1 or not torch.cuda.is_available():
             parser.error("--weight-grad-splits needs counts of at least 1 and a CUDA device")

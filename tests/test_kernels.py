@@ -1083,6 +1083,26 @@ def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
             assert float(r[first]) > 0 and float(r[first + 1]) > 0 and r[first + 2].strip().endswith("%"), r
 
 
+def test_host_time_table_runs_where_no_gpu_is(backend, capsys):
+    """`benchmarks/kernels.py --host` (the op's host time per call, and where cProfile sees it go), run on the
+    suite's device with tiny cases: a row per case and N with two positive times, each followed by the forward's
+    and the backward's functions by own time, the op's own code among them."""
+    backend("torch")
+    bench_module = _benchmark_module()
+    Case = bench_module.Case
+    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    lines = bench_module.host_table([1, 9], DEVICE, cases, torch.float32, calls=2, top=50)
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
+    assert all(float(cell) > 0 for r in rows for cell in r[2:]), rows
+    printed = capsys.readouterr().out.splitlines()
+    forwards = [line for line in printed if line.startswith("    forward: ")]
+    backwards = [line for line in printed if line.startswith("    backward: ")]
+    assert len(forwards) == len(backwards) == len(rows)
+    assert all("(ops.py:" in line for line in forwards + backwards), forwards + backwards  # the op's own checks
+    assert all(float(line.split(": ", 1)[1].split(" ", 1)[0]) > 0 for line in forwards + backwards)
+
+
 def test_weight_grad_split_table_runs_under_the_interpreter(backend, monkeypatch):
     """`benchmarks/kernels.py --weight-grad-splits`, run on the CPU through the interpreter with tiny cases: one row
     per case and N, every count really launched (the gradients it times are the same for each), the knob reset."""
