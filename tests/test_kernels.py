@@ -1841,13 +1841,15 @@ def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend
             got, dispatched = _dispatched(lambda: project(*args))
         assert not dispatched
         assert torch.equal(got, want)
-    # on the suite's device too (CUDA with SWITCHHEAD_TEST_DEVICE=cuda), whose host time the dispatch would add to
+    # on the suite's device too (CUDA with SWITCHHEAD_TEST_DEVICE=cuda), whose host time the dispatch would add to;
+    # there slots that share a row may be added by atomics in any order, so to rounding
     on_dev = (*on_device((x, w, index, gate)), shape.n_out)
     with torch.no_grad():
         want_dev = expert_projection(*on_dev)
     with torch.inference_mode():
         got, dispatched = _dispatched(lambda: project(*on_dev))
-    assert not dispatched and torch.equal(got, want_dev)
+    assert not dispatched
+    torch.testing.assert_close(got, want_dev, rtol=1e-6, atol=1e-6)
     trained = [t.detach().requires_grad_() for t in (x, w)]
     with torch.no_grad():  # requires grad, but no graph is recorded
         got, dispatched = _dispatched(lambda: project(*trained, index, gate, shape.n_out))
