@@ -642,8 +642,11 @@ def host_table(
 def _own_time(stats, calls: int, top: int) -> str:
     """'us function (file:line); ...': the `top` functions by own time per call, most first."""
     rows = sorted(((tt, key) for key, (_, _, tt, _, _) in stats.stats.items()), reverse=True)[:top]
-    where = lambda path, line: "" if path == "~" else f" ({os.path.basename(path)}:{line})"  # noqa: E731 (~: builtins)
-    return "; ".join(f"{tt / calls * 1e6:.1f} {name}{where(path, line)}" for tt, (path, line, name) in rows)
+    cells = []
+    for tt, (path, line, name) in rows:
+        where = "" if path == "~" else f" ({os.path.basename(path)}:{line})"  # "~": a builtin, which has no file
+        cells.append(f"{tt / calls * 1e6:.1f} {name}{where}")
+    return "; ".join(cells)
 
 
 @contextmanager

@@ -430,9 +430,8 @@ def _bag_forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, 
     rows = x_per_slot if gate is None else x_per_slot * gate.reshape(n, n_in, slots // n_in, 1).to(x.dtype)
     ids = torch.add(_steps(d_in, 1, x.device), index.unsqueeze(-1), alpha=d_in).view(-1)  # e * D_in + [0, D_in)
     bags = _steps(n * slots * d_in, slots // n_out * d_in, x.device)  # one per output row
-    sum_mode = 0  # what F.embedding_bag passes for mode="sum"
     table = weight.reshape(-1, d_out)
-    out = torch.embedding_bag(table, ids, bags, mode=sum_mode, per_sample_weights=rows.reshape(-1))[0]
+    out = torch.embedding_bag(table, ids, bags, mode=0, per_sample_weights=rows.reshape(-1))[0]  # mode 0: "sum"
     return out.view(n, n_out, d_out)
 
 
