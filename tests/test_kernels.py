@@ -1815,6 +1815,10 @@ def test_backward_returns_just_the_gradients_asked_for(name, need, backend):
     assert [real[1].numel() > 0, real[2].numel() > 0] == [need[1], need[0]]
 
 
+def _with_grads(out: torch.Tensor, inputs: list, grad_out: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    return out, torch.autograd.grad(out, inputs, grad_out)
+
+
 def _dispatched(fn) -> tuple[object, bool]:
     """fn()'s result, and whether the custom op went through the dispatcher (the profiler records it there)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -1825,10 +1829,11 @@ def _dispatched(fn) -> tuple[object, bool]:
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # torch's own use, and the trace below
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4], SHAPES[6]], ids=str)
 def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend):
-    """The model's entry point calls the op's implementation directly in eager calls that record no graph (the
-    dispatch is a large part of a decode step's op), on the CPU and the suite's device, with the op's exact result,
-    and the op itself wherever autograd records, or a dispatch or function mode, a tensor subclass, jit tracing,
-    dynamo, forward-mode AD or a meta tensor is about."""
+    """The model's entry point calls the op's implementation without the dispatcher in eager calls (the dispatch is
+    a large part of a decode step's op), on the CPU and the suite's device, with the op's exact result: directly
+    where no graph is recorded, and through an autograd.Function with the op's exact gradients where one is. It
+    calls the op itself wherever a dispatch or function mode, a tensor subclass, jit tracing, dynamo, forward-mode
+    AD or a meta tensor is about."""
     from switchhead.kernels.ops import project
 
     backend("torch")
@@ -1854,9 +1859,23 @@ def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend
     with torch.no_grad():  # requires grad, but no graph is recorded
         got, dispatched = _dispatched(lambda: project(*trained, index, gate, shape.n_out))
     assert not dispatched and torch.equal(got, want) and not got.requires_grad
-    got, dispatched = _dispatched(lambda: project(*trained, index, gate, shape.n_out))
-    assert dispatched and torch.equal(got.detach(), want)
-    assert all(g is not None for g in torch.autograd.grad(got.sum(), trained))
+    # Recording a graph (eager training): still no dispatch, forward or backward, with the op's result and gradients.
+    trained_gate = None if gate is None else gate.detach().requires_grad_()
+    inputs = [*trained] + ([trained_gate] if gate is not None else [])
+    grad_out = torch.randn_like(want)
+    op_out = expert_projection(*trained, index, trained_gate, shape.n_out)
+    want_grads = torch.autograd.grad(op_out, inputs, grad_out)
+    (got, grads), dispatched = _dispatched(lambda: _with_grads(project(*trained, index, trained_gate, shape.n_out),
+                                                               inputs, grad_out))
+    assert not dispatched and got.requires_grad and torch.equal(got.detach(), want)
+    for g, w_ in zip(grads, want_grads):
+        assert torch.equal(g, w_)
+    frozen = project(trained[0], w, index, gate, shape.n_out)  # only x trains: the weight gets no gradient
+    assert torch.autograd.grad(frozen, trained[0], grad_out)[0].shape == x.shape
+    for out in (op_out, project(*trained, index, trained_gate, shape.n_out)):  # once differentiable, as the op
+        with pytest.raises(RuntimeError):
+            g, = torch.autograd.grad(out, trained[0], grad_out.detach().requires_grad_(), create_graph=True)
+            torch.autograd.grad(g.sum(), trained[1])
 
     with torch.inference_mode(), _Dispatches() as seen:
         assert torch.equal(project(*args), want)

@@ -47,8 +47,9 @@ reverse-mode transforms (`grad`, `jacrev`) refuse it, while forward mode (torch.
 `torch.func.jvp`, `jacfwd`) silently gives its output a zero tangent.
 
 The model calls it through `project`, which runs the same implementation without the dispatcher where nothing
-needs the op itself: eager calls on CPU, CUDA or MPS tensors that record no autograd graph (inference and
-decoding), outside tracing, modes and transforms.
+needs the op itself: eager calls on CPU, CUDA or MPS tensors outside tracing, modes and transforms, directly where
+they record no autograd graph (inference and decoding) and through a plain autograd.Function with the op's
+backward where they do (eager training).
 
 Backends, chosen per call: CUDA tensors -> Triton kernels (`triton_kernels`; float64 ones -> PyTorch, since the
 kernels accumulate in float32; and the fp16/bf16 forward of the O-like shapes where cuBLAS is measured faster ->
@@ -66,6 +67,7 @@ from types import ModuleType
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from switchhead.devices import autocast_off
 from switchhead.errors import SwitchheadError
@@ -182,12 +184,18 @@ def expert_projection(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | N
 
 
 def project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
-    """`expert_projection`, with its implementation called directly where the dispatcher would add nothing but time:
-    an eager call that records no autograd graph (inference, decoding) on CPU, CUDA or MPS tensors, outside compile
-    and export tracing, dispatch and function modes, functorch transforms and tensor subclasses. At batch-1 decode
-    the custom op's dispatch is a large part of the op (docs/BENCHMARKS.md, "Decode: the op without its
-    dispatcher"); on a GPU it is host time, which is what a small decode step waits on."""
+    """`expert_projection`, with its implementation called without the dispatcher where nothing needs the op itself:
+    eager calls on CPU, CUDA or MPS tensors outside compile and export tracing, dispatch and function modes,
+    functorch transforms and tensor subclasses. A call that records no autograd graph (inference, decoding) runs
+    the forward directly; one that does (eager training) runs it through `_Eager`, a plain autograd.Function with the
+    op's forward, saved tensors and backward, but neither the forward's nor the backward's custom-op dispatch and
+    autograd wrappers. At batch-1 decode the dispatch is a large part of the op (docs/BENCHMARKS.md, "Decode: the
+    op without its dispatcher"); on a GPU it is host time, which the GPU waits on wherever a call's host time
+    exceeds its GPU time ("The op's host time")."""
     if _plain_eager(x, weight, index, gate):
+        grads = x.requires_grad or weight.requires_grad or (gate is not None and gate.requires_grad)
+        if grads and torch.is_grad_enabled():
+            return _Eager.apply(x, weight, index, gate, n_out)
         return _forward(x, weight, index, gate, n_out)
     if type(n_out) is not int:  # the dispatcher's int argument would take True as R = 1 before `_check` saw it
         raise RuntimeError(_shape_error(x, weight, index, gate, n_out))
@@ -210,9 +218,6 @@ def _plain_eager(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) 
         return False  # (a meta tensor, among others, needs the op's fake implementation)
     if torch.autograd.forward_ad._current_level >= 0:
         return False  # dual tensors may be about: the op's forward-mode behaviour (a zero tangent) stays the same
-    grads = x.requires_grad or weight.requires_grad or (gate is not None and gate.requires_grad)
-    if grads and torch.is_grad_enabled():
-        return False  # the op's autograd formula is needed
     plain = (Tensor, torch.nn.Parameter)
     if type(x) not in plain or type(weight) not in plain or type(index) not in plain:
         return False
@@ -263,6 +268,13 @@ def expert_projection_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. x, weight and gate (the weight's and the gate's are empty when not needed; the gate's
     also when gate is None)."""
+    return _backward_impl(grad, x, weight, index, gate, need_gate_grad, need_weight_grad)
+
+
+def _backward_impl(
+    grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
+    need_weight_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     backend = backend_for(x)
     index = index.contiguous()
     if x.shape[0] == 0:
@@ -300,16 +312,35 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, index, gate)
 
 
-def _backward(ctx, grad):
+def _gradients(ctx, grad: Tensor, backward) -> tuple:
     x, weight, index, gate = ctx.saved_tensors
     need_gate = gate is not None and ctx.needs_input_grad[3]
     # A frozen weight's gradient (a third of the backward's products) is not computed. x's always is: the gate
     # gradient comes out of the same products, and inside a model x needs one wherever anything before it trains.
     need_weight = ctx.needs_input_grad[1]
-    grad_x, grad_w, grad_gate = expert_projection_backward(
-        grad.contiguous(), x, weight, index, gate, need_gate, need_weight
-    )
+    grad_x, grad_w, grad_gate = backward(grad.contiguous(), x, weight, index, gate, need_gate, need_weight)
     return grad_x, grad_w if need_weight else None, None, grad_gate if need_gate else None, None
 
 
+def _backward(ctx, grad):
+    return _gradients(ctx, grad, expert_projection_backward)
+
+
 expert_projection.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The op's autograd for eager calls from `project`: the same forward, saved tensors and backward, called
+    directly. Once differentiable, as the op is (its backward has no autograd formula). The forward takes ctx itself
+    rather than leaving it to a separate setup_context: with one, every apply binds its arguments to the forward's
+    signature through inspect, which costs tens of microseconds a call."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+        _setup_context(ctx, (x, weight, index, gate, n_out), None)
+        return _forward(x, weight, index, gate, n_out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple:
+        return _gradients(ctx, grad, _backward_impl)
