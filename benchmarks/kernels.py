@@ -15,6 +15,7 @@
     python benchmarks/kernels.py --n 4096 --regimes dense --case O6 112 1024 4 1 4 6 2   # --regimes on other shapes
     python benchmarks/kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16   # weight-gradient chunks
     python benchmarks/kernels.py --n 1 256 4096 16384 --host --dtype bfloat16   # the op's host time per call on CUDA
+    python benchmarks/kernels.py --n 1 16 256 --host --simulated --dtype bfloat16   # the same without a GPU
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -598,44 +599,98 @@ def host_table(
     calls: int = 20,
     top: int = 8,
 ) -> list[str]:
-    """Host time of the op as it runs by default, forward and backward: what the CPU spends issuing one call
-    (Python, the dispatcher, autograd, allocations, kernel launches), timed over `calls` calls without waiting for
-    the GPU (they queue far fewer launches than the GPU's queue holds), then the `top` functions with the most own
-    time in `calls` more calls under cProfile (which slows Python down: compare its rows with each other, not with
-    the host time). On the GPU a call whose host time exceeds its GPU time keeps the GPU waiting: the "wall" columns
-    of the GPU table. `device` and `cases` let it run on the CPU with tiny cases, which checks this code without a
-    GPU (there the host does the arithmetic too, so the numbers mean nothing)."""
+    """Host time of the op as it runs by default, forward and backward, through the dispatcher (`expert_projection`)
+    and without it (`project`, the model's entry): what the CPU spends issuing one call (Python, the dispatcher,
+    autograd, allocations, kernel launches), timed over `calls` calls without waiting for the GPU (they queue far fewer
+    launches than the GPU's queue holds), then, for `project`, the `top` functions with the most own time in `calls`
+    more calls under cProfile (which slows Python down: compare its rows with each other, not with the host time). On
+    the GPU a call whose host time exceeds its GPU time keeps the GPU waiting: the "wall" columns of the GPU table.
+    `device` and `cases` let it run on the CPU with tiny cases, which checks this code without a GPU (there the host
+    does the arithmetic too, so the numbers mean nothing)."""
     import cProfile
     import pstats
 
+    from switchhead.kernels.ops import project
+
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    lines = _table("| case | N | fwd host ms | bwd host ms |")
+    lines = _table("| case | N | fwd host ms op | project | bwd host ms op | project |")
     for case in cases:
         for n in ns:
             x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
             grads = [x, w] + ([gate] if gate is not None else [])
-            fwd = _call(expert_projection, x, w, index, gate, case.n_out)
-            out = fwd()
-            bwd = _call(torch.autograd.grad, out, grads, torch.randn_like(out), True)
-            bwd()  # compiled and tuned before anything is timed
-            cells, profiles = [], []
-            for step, fn in (("forward", fwd), ("backward", bwd)):
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                cells.append(f"{(time.perf_counter() - t0) / calls * 1e3:.4f}")
-                sync()
-                profile = cProfile.Profile()
-                profile.enable()
-                for _ in range(calls):
-                    fn()
-                profile.disable()
-                sync()
-                profiles.append(f"    {step}: " + _own_time(pstats.Stats(profile), calls, top))
-            _add_row(lines, f"| {case.name} | {n} | " + " | ".join(cells) + " |")
+            cells, profiles = {}, []
+            for entry in (expert_projection, project):
+                fwd = _call(entry, x, w, index, gate, case.n_out)
+                out = fwd()
+                bwd = _call(torch.autograd.grad, out, grads, torch.randn_like(out), True)
+                bwd()  # compiled and tuned before anything is timed
+                for step, fn in (("forward", fwd), ("backward", bwd)):
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    cells[step, entry] = f"{(time.perf_counter() - t0) / calls * 1e3:.4f}"
+                    sync()
+                    if entry is not project:
+                        continue
+                    profile = cProfile.Profile()
+                    profile.enable()
+                    for _ in range(calls):
+                        fn()
+                    profile.disable()
+                    sync()
+                    profiles.append(f"    {step}: " + _own_time(pstats.Stats(profile), calls, top))
+            row = [cells[step, entry] for step in ("forward", "backward") for entry in (expert_projection, project)]
+            _add_row(lines, f"| {case.name} | {n} | " + " | ".join(row) + " |")
             for line in profiles:
                 print(line, flush=True)
+    return lines
+
+
+def simulated_host_table(
+    ns: list[int], cases: list[Case] = CASES, dtype: torch.dtype = torch.bfloat16, calls: int = 20, repeats: int = 15
+) -> list[str]:
+    """Host time per call of the CUDA path without a GPU (`gpu_build.simulated_gpu`: the compiled kernels on CPU
+    tensors, launches that do nothing), us: the custom op (`expert_projection`, through the dispatcher) beside
+    `project` (the model's entry, which skips it), forward and forward + backward with autograd recording (training)
+    and `project` in inference mode (decoding). Each cell is the best of `repeats` interleaved rounds of `calls`
+    calls. The host also does the arithmetic of the torch ops between launches here (allocations, casts), which is
+    why the token counts should stay small; the cuBLAS routes that the op takes on CUDA for some shapes from 1024
+    tokens on are not simulated (they need CUDA tensors)."""
+    from switchhead.kernels import gpu_build
+    from switchhead.kernels.ops import project
+
+    def calls_of(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+        return run
+
+    lines = _table("| case | N | fwd op us | fwd project | project / op | fwd+bwd op | fwd+bwd project | project / op "
+                   "| inference project |")  # fmt: skip
+    with _backend("triton"), gpu_build.simulated_gpu():
+        for case in cases:
+            for n in ns:
+                x, w, index, gate = make_inputs(case, n, dtype, "cpu", grad=True)
+                args, wrt = (x, w, index, gate, case.n_out), [x, w] + ([gate] if gate is not None else [])
+
+                def decode(args=args) -> object:
+                    with torch.inference_mode():
+                        return project(*args)
+
+                fns = {
+                    "op": _call(expert_projection, *args), "project": _call(project, *args),
+                    "op both": _fwd_bwd(expert_projection, args, wrt), "project both": _fwd_bwd(project, args, wrt),
+                    "decode": decode,
+                }  # fmt: skip
+                for fn in fns.values():
+                    fn()  # built and tuned before anything is timed
+                us = {k: v * 1e3 / calls for k, v in interleaved_min_ms({k: calls_of(f) for k, f in fns.items()},
+                                                                      repeats).items()}  # fmt: skip
+                cells = [us["op"], us["project"], us["project"] / us["op"], us["op both"], us["project both"],
+                         us["project both"] / us["op both"], us["decode"]]  # fmt: skip
+                _add_row(lines, f"| {case.name} | {n} | " + " | ".join(
+                    f"{c:.2f}" if i in (2, 5) else f"{c:.1f}" for i, c in enumerate(cells)) + " |")  # fmt: skip
     return lines
 
 
@@ -814,6 +869,12 @@ def main() -> None:
         help="only the op's host time per call on CUDA, forward and backward, and where it goes (cProfile)",
     )
     parser.add_argument(
+        "--simulated",
+        action="store_true",
+        help="with --host: without a GPU, on CPU tensors through a stand-in for Triton's CUDA driver that launches "
+        "nothing (the CUDA path's host time, the op beside project)",
+    )
+    parser.add_argument(
         "--weight-grad-splits",
         type=int,
         nargs="+",
@@ -834,11 +895,19 @@ def main() -> None:
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()},"
         f" CPU regime costs {torch_paths.this_cpu()}"
     )
+    if args.simulated and not args.host:
+        parser.error("--simulated goes with --host")
+    if args.host and args.simulated:
+        dtype = getattr(torch, args.dtype)
+        print(f"\n## Simulated GPU (sm_90 builds, launches that do nothing): host time per call ({args.dtype}, us, "
+              f"best of {5 if args.quick else 15} interleaved rounds of 20 calls)\n")  # fmt: skip
+        simulated_host_table(args.n, dtype=dtype, repeats=5 if args.quick else 15)
+        return
     if args.host:
         if not torch.cuda.is_available():
-            parser.error("--host needs a CUDA device")
-        print(f"\n## GPU ({torch.cuda.get_device_name()}): the op's host time per call ({args.dtype}, ms), and the "
-              "functions with the most own time per call under cProfile (us)\n")  # fmt: skip
+            parser.error("--host needs a CUDA device (or --simulated)")
+        print(f"\n## GPU ({torch.cuda.get_device_name()}): the op's host time per call ({args.dtype}, ms), and "
+              "project's functions with the most own time per call under cProfile (us)\n")  # fmt: skip
         host_table(args.n, dtype=getattr(torch, args.dtype))
         return
     if args.weight_grad_splits:

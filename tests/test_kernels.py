@@ -1103,6 +1103,56 @@ def test_host_time_table_runs_where_no_gpu_is(backend, capsys):
     assert all(float(line.split(": ", 1)[1].split(" ", 1)[0]) > 0 for line in forwards + backwards)
 
 
+def test_simulated_gpu_runs_the_cuda_path_on_cpu_tensors_and_leaves_nothing_behind(monkeypatch):
+    """`gpu_build.simulated_gpu` (behind `benchmarks/kernels.py --host --simulated`): inside, the op's CUDA path
+    runs on CPU tensors, forward and backward, through Triton's launch path with every kernel a CUDA run launches,
+    returning results of the right shapes; outside, the kernels refuse CPU tensors again, Triton's driver is the one
+    from before, and no autotune result made inside is kept (a later real GPU run tunes for itself)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")
+    tk = triton_kernels.load()
+    tuned = {name: dict(getattr(tk, name).cache) for name in ("_grouped_matmul_kernel", "_weight_grad_kernel")}
+    driver_before = driver._active
+    shape = Shape(40, 2, 6, 1, 8, 12, 20)
+    x, w, index, gate = (t.requires_grad_(t.is_floating_point()) for t in make(shape, torch.bfloat16)[1][:4])
+    launched = []
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: launched.append(metadata.get()["name"]))
+    with gpu_build.simulated_gpu():
+        out = project(x, w, index, gate, 1)
+        forward, launched[:] = list(launched), []
+        grads = torch.autograd.grad(out, [x, w, gate], torch.ones_like(out))
+    sort = ["_count_pairs_kernel", "_place_pairs_kernel"]
+    assert forward == [*sort, "_grouped_matmul_kernel"]
+    assert launched == [*sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
+    assert (out.shape, out.dtype) == ((40, 1, 20), torch.bfloat16)
+    assert [g.shape for g in grads] == [x.shape, w.shape, gate.shape]
+    assert driver._active is driver_before
+    assert {name: dict(getattr(tk, name).cache) for name in tuned} == tuned
+    with pytest.raises(KernelBackendError, match="need CUDA tensors"):
+        project(x, w, index, gate, 1)
+
+
+def test_simulated_host_time_table_runs_without_a_gpu(monkeypatch):
+    """`benchmarks/kernels.py --host --simulated`, with tiny cases: a row per case and N, with positive times for the
+    op, `project` and their ratios, forward, forward + backward and in inference mode."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    bench_module = _benchmark_module()
+    Case = bench_module.Case
+    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    lines = bench_module.simulated_host_table([1, 9], cases, torch.bfloat16, calls=2, repeats=1)
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
+    assert all(len(r) == 9 and float(cell) > 0 for r in rows for cell in r[2:]), rows
+    for r in rows:  # the ratios are the cells they divide
+        assert float(r[4]) == pytest.approx(float(r[3]) / float(r[2]), abs=0.01)
+        assert float(r[7]) == pytest.approx(float(r[6]) / float(r[5]), abs=0.01)
+
+
 def test_weight_grad_split_table_runs_under_the_interpreter(backend, monkeypatch):
     """`benchmarks/kernels.py --weight-grad-splits`, run on the CPU through the interpreter with tiny cases: one row
     per case and N, every count really launched (the gradients it times are the same for each), the knob reset."""

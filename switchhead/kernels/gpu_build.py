@@ -10,6 +10,10 @@ wgmma) from the PTX.
 
 Nothing here measures speed; it catches builds that cannot be fast: register spills, scalar loads, no
 pipelining. Used by `benchmarks/kernel_resources.py` and the tests.
+
+`simulated_gpu` measures something the builds cannot show, the host time of a CUDA call, on a machine without a
+GPU: the op runs its compiled path on CPU tensors, through a stand-in for Triton's CUDA driver whose launches do
+nothing. Used by `benchmarks/kernels.py --host --simulated` and the tests.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -57,6 +62,7 @@ KERNELS = (
 def _compiled_module() -> ModuleType:
     from switchhead.kernels import triton_kernels
 
+    triton_kernels = triton_kernels.load()  # as `ops` will see it (re-imported if TRITON_INTERPRET changed)
     if triton_kernels._INTERPRETED:
         raise RuntimeError("gpu_build needs the compiled kernels: unset TRITON_INTERPRET")
     return triton_kernels
@@ -151,3 +157,88 @@ def build(launch: Launch, config=None, arch: int = 90) -> Build:
         mma_in_flight=max(waits) > 0 if waits else None,
         atomics=tuple(sorted(set(re.findall(r"\b(?:atom|red)\.[\w.]+", ptx)))),
     )
+
+
+# The device id the simulated driver reports: not one a real GPU has, so that Triton's per-device kernel caches keep
+# the simulated builds (whose launches do nothing) apart from real ones in the same process.
+SIMULATED_DEVICE = -1
+
+
+class _SimulatedUtils:
+    @staticmethod
+    def load_binary(name, kernel, shared, device):
+        return 0, 0, 0, 0, 1024  # module, function, registers, spills, the most threads per block
+
+    @staticmethod
+    def get_device_properties(device):
+        return {"max_shared_mem": 227 * 1024, "multiprocessor_count": 132}  # an H100's or H200's
+
+    @staticmethod
+    def unload_module(module):
+        pass
+
+
+class _SimulatedDriver:
+    """What Triton's launch path asks of its active driver, for a GPU that is not there."""
+
+    utils = _SimulatedUtils()
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return SIMULATED_DEVICE
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_benchmarker(self):
+        # every autotune config "takes" the same time, so the tuner keeps the first one and builds no other
+        return lambda kernel_call, quantiles=None, **kwargs: [1.0] * (len(quantiles) if quantiles else 1)
+
+    def launcher_cls(self, src, metadata):
+        def launch(grid_0, grid_1, grid_2, stream, function, packed, launch_metadata, enter_hook, exit_hook, *args):
+            # the hooks see each launch as CUDA's launcher shows it to them (with launch_enter_hook set, Triton passes
+            # a launch_metadata naming the kernel), and nothing runs between them
+            if enter_hook is not None:
+                enter_hook(launch_metadata)
+            if exit_hook is not None:
+                exit_hook(launch_metadata)
+
+        return launch
+
+
+@contextmanager
+def simulated_gpu(arch: int = 90) -> Iterator[ModuleType]:
+    """Inside: the compiled kernels (built for sm_`arch` on first use, as on the GPU) take CPU tensors, and every
+    launch goes through Triton's whole Python path (argument binding and specialisation, the kernel cache, the
+    autotuner's lookup) up to the driver's launch call, which returns at once. What a call then costs is the host
+    time of the CUDA path, less the driver's launch calls and CUDA's own allocations. Results are whatever the
+    buffers held: time with it, nothing else. Only the kernels' path runs (the cuBLAS routes of `ops._dense_on_cuda`
+    need CUDA tensors). Autotune results made inside are dropped on the way out."""
+    from triton.runtime import driver
+
+    tk = _compiled_module()
+    tuned = [getattr(tk, name) for name in KERNELS if hasattr(getattr(tk, name), "configs")]
+    saved_caches = [dict(kernel.cache) for kernel in tuned]
+    saved_require, saved_driver = tk._require_runnable, driver._active  # None where none was made yet (no GPU)
+    driver.set_active(_SimulatedDriver(arch))
+    tk._require_runnable = lambda t: None
+    try:
+        yield tk
+    finally:
+        tk._require_runnable = saved_require
+        driver._active = saved_driver
+        for name in KERNELS:  # nothing was loaded: a build dropped later must not unload itself through a real driver
+            kernel = getattr(tk, name)
+            builds = (kernel.fn if hasattr(kernel, "configs") else kernel).device_caches.get(SIMULATED_DEVICE)
+            for build in builds[0].values() if builds else ():
+                build.module = None  # (set again on its next use in here)
+        for kernel, cache in zip(tuned, saved_caches):
+            kernel.cache.clear()
+            kernel.cache.update(cache)
