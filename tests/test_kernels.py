@@ -119,11 +119,11 @@ def on_device(tensors):
     return [t.to(DEVICE) if t is not None else None for t in tensors]
 
 
-def via_op(shape: Shape, cast):
+def via_op(shape: Shape, cast, entry=expert_projection):
     x, w, index, gate, grad = (
         t.to(DEVICE, copy=True).requires_grad_(t.is_floating_point()) if t is not None else None for t in cast
     )
-    out = expert_projection(x, w, index, gate, shape.n_out)
+    out = entry(x, w, index, gate, shape.n_out)
     wrt = [x, w] + ([gate] if gate is not None else [])
     return [t.cpu() for t in (out.detach(), *torch.autograd.grad(out, wrt, grad))]
 
@@ -163,6 +163,42 @@ def test_op_matches_naive_loop(shape, name, backend):
     backend(name)
     exact, cast = make(shape)
     assert_matches(via_op(shape, cast), naive_all(shape, exact), torch.float32)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_project_in_training_matches_naive_loop(shape, name, backend):
+    """The model's entry in eager training (`project`: an autograd.Function with the op's forward and backward,
+    whose Triton backward takes the pairs as the forward sorted them) against the float64 loop."""
+    backend(name)
+    exact, cast = make(shape)
+    assert_matches(via_op(shape, cast, project), naive_all(shape, exact), torch.float32)
+
+
+def test_project_backward_reuses_the_forward_sort_on_every_pass(backend):
+    """A graph kept for a second backward (retain_graph) sorts nothing again and gives the same gradients; the
+    kernels' sort of the index happens once, in the forward."""
+    from switchhead.kernels import triton_kernels
+
+    backend("triton")
+    shape = Shape(40, 2, 6, 1, 8, 12, 20)  # past GATHER_MAX_TOKENS: the tiled forward, which sorts
+    x, w, index, gate, grad = on_device(make(shape)[1])
+    x, w, gate = (t.requires_grad_() for t in (x, w, gate))
+    tk = triton_kernels.load()
+    sorts = []
+    sort_pairs = tk._sort_pairs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tk, "_sort_pairs", lambda *args: sorts.append(1) or sort_pairs(*args))
+        out = project(x, w, index, gate, 1)
+        first = torch.autograd.grad(out, [x, w, gate], grad, retain_graph=True)
+        second = torch.autograd.grad(out, [x, w, gate], grad)
+    assert len(sorts) == 1
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # (CUDA adds shared rows with atomics)
+    out = project(x, w, index, gate, 1)
+    index[0, 0] = (index[0, 0] + 1) % shape.experts  # changed in place: its sort is stale, and autograd refuses it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, [x], grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -1105,9 +1141,10 @@ def test_host_time_table_runs_where_no_gpu_is(backend, capsys):
 
 def test_simulated_gpu_runs_the_cuda_path_on_cpu_tensors_and_leaves_nothing_behind(monkeypatch):
     """`gpu_build.simulated_gpu` (behind `benchmarks/kernels.py --host --simulated`): inside, the op's CUDA path
-    runs on CPU tensors, forward and backward, through Triton's launch path with every kernel a CUDA run launches,
-    returning results of the right shapes; outside, the kernels refuse CPU tensors again, Triton's driver is the one
-    from before, and no autotune result made inside is kept (a later real GPU run tunes for itself)."""
+    runs on CPU tensors, forward and backward, through Triton's launch path with every kernel a CUDA run launches
+    (`project`'s backward reusing its forward's sort), returning results of the right shapes; outside, the kernels
+    refuse CPU tensors again, Triton's driver is the one from before, and no autotune result made inside is kept (a
+    later real GPU run tunes for itself)."""
     from triton import knobs
     from triton.runtime import driver
 
@@ -1122,13 +1159,16 @@ def test_simulated_gpu_runs_the_cuda_path_on_cpu_tensors_and_leaves_nothing_behi
     x, w, index, gate = (t.requires_grad_(t.is_floating_point()) for t in make(shape, torch.bfloat16)[1][:4])
     launched = []
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: launched.append(metadata.get()["name"]))
+    seen = {}
     with gpu_build.simulated_gpu():
-        out = project(x, w, index, gate, 1)
-        forward, launched[:] = list(launched), []
-        grads = torch.autograd.grad(out, [x, w, gate], torch.ones_like(out))
-    sort = ["_count_pairs_kernel", "_place_pairs_kernel"]
-    assert forward == [*sort, "_grouped_matmul_kernel"]
-    assert launched == [*sort, "_grouped_matmul_kernel", "_weight_grad_kernel"]
+        for entry in (expert_projection, project):
+            out = entry(x, w, index, gate, 1)
+            forward, launched[:] = list(launched), []
+            grads = torch.autograd.grad(out, [x, w, gate], torch.ones_like(out))
+            seen[entry], launched[:] = (forward, list(launched)), []
+    sort, products = ["_count_pairs_kernel", "_place_pairs_kernel"], ["_grouped_matmul_kernel", "_weight_grad_kernel"]
+    assert seen[expert_projection] == ([*sort, products[0]], [*sort, *products])
+    assert seen[project] == ([*sort, products[0]], products)  # its backward takes the forward's sort
     assert (out.shape, out.dtype) == ((40, 1, 20), torch.bfloat16)
     assert [g.shape for g in grads] == [x.shape, w.shape, gate.shape]
     assert driver._active is driver_before

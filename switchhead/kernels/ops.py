@@ -63,6 +63,7 @@ not for float64), ``torch``, ``reference`` (`reference`: slow, obviously correct
 from __future__ import annotations
 
 import os
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -228,7 +229,11 @@ def _plain_eager(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None) 
     return dispatch_modes() == 0 and function_modes() == 0 and transforms() is None
 
 
-def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+def _forward(
+    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, pairs: list | None = None
+) -> Tensor:
+    """The op's forward; `pairs` collects the Triton forward's sort of the pairs by expert, if it makes one, for
+    `_backward_impl` to reuse."""
     _check(x, weight, index, gate, n_out)
     index = index.contiguous()  # every path flattens it with views; a transposed index is legal input
     backend = backend_for(x)
@@ -240,7 +245,7 @@ def _forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_ou
         if backend == "triton":
             if _dense_on_cuda(x, weight, index, n_out):
                 return torch_paths.dense_forward(x, weight, index, gate, n_out)
-            return _triton().forward(x, weight, index, gate, n_out)
+            return _triton().forward(x, weight, index, gate, n_out, pairs)
         if backend == "reference":
             return reference.forward(x, weight, index, gate, n_out)
         return torch_paths.forward(x, weight, index, gate, n_out)
@@ -273,7 +278,7 @@ def expert_projection_backward(
 
 def _backward_impl(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
-    need_weight_grad: bool,
+    need_weight_grad: bool, pairs: list | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     backend = backend_for(x)
     index = index.contiguous()
@@ -284,7 +289,7 @@ def _backward_impl(
     with autocast_off(x.device.type):  # as in the forward
         if backend == "triton":
             dense = _dense_on_cuda(x, weight, index, grad.shape[1], torch_paths.cuda_prefers_dense_backward)
-            return _triton().backward(*args, dense_grad_x=dense, dense_grad_w=dense)
+            return _triton().backward(*args, dense_grad_x=dense, dense_grad_w=dense, pairs=pairs)
         if backend == "reference":
             return reference.backward(*args)
         return torch_paths.backward(*args)
@@ -333,14 +338,17 @@ class _Eager(torch.autograd.Function):
     """The op's autograd for eager calls from `project`: the same forward, saved tensors and backward, called
     directly. Once differentiable, as the op is (its backward has no autograd formula). The forward takes ctx itself
     rather than leaving it to a separate setup_context: with one, every apply binds its arguments to the forward's
-    signature through inspect, which costs tens of microseconds a call."""
+    signature through inspect, which costs tens of microseconds a call. The backward also reuses the Triton
+    forward's sort of the pairs by expert (two launches and a cumsum): the index it sorted is a saved tensor, which
+    autograd refuses to unpack if it was changed in place since."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
         _setup_context(ctx, (x, weight, index, gate, n_out), None)
-        return _forward(x, weight, index, gate, n_out)
+        ctx.pairs = []
+        return _forward(x, weight, index, gate, n_out, ctx.pairs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple:
-        return _gradients(ctx, grad, _backward_impl)
+        return _gradients(ctx, grad, partial(_backward_impl, pairs=ctx.pairs))

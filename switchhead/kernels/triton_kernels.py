@@ -683,7 +683,11 @@ def _padded_weight(weight: Tensor, d_in: int, d_out: int) -> Tensor:
     return torch.nn.functional.pad(weight, (0, d_out - weight.shape[2], 0, d_in - weight.shape[1]))
 
 
-def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
+def forward(
+    x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, pairs: list | None = None
+) -> Tensor:
+    """The forward; where it sorts the pairs by expert (the tiled path), the sort is appended to `pairs` if given,
+    for a backward of the same index to take (`backward(pairs=...)`)."""
     _require_runnable(x)
     n, n_in, _ = x.shape
     n_experts, _, d_out = weight.shape
@@ -697,6 +701,8 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     d_in_p, d_out_p = _aligned(weight.shape[1], align), _aligned(d_out, align)
     x2, w = _rows(x, d_in_p), _padded_weight(weight, d_in_p, d_out_p)
     order, offsets = _sort_pairs(index, n_experts)
+    if pairs is not None:
+        pairs.extend((order, offsets))
     out, _ = _grouped_matmul(
         x2, slots // n_in, w, False, n * n_out, slots // n_out, order, offsets, flat_gate, width=d_out
     )  # fmt: skip
@@ -705,13 +711,14 @@ def forward(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
 
 def backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
-    need_weight_grad: bool = True, dense_grad_x: bool = False, dense_grad_w: bool = False,
+    need_weight_grad: bool = True, dense_grad_x: bool = False, dense_grad_w: bool = False, pairs: list | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients w.r.t. x, weight and gate. `dense_grad_x`: grad_x as one cuBLAS GEMM
     (`torch_paths.dense_expanded_grads`) instead of the grouped kernel, which then runs forward-oriented, storing
     nothing, for the gate gradient alone: <x @ W, grad> = <x, grad @ W^T>. `dense_grad_w`: the weight gradient as
     one cuBLAS GEMM (`torch_paths.dense_weight_grad`; for input-expanding shapes with `dense_grad_x`, of the same
-    gated gradients) instead of the weight-gradient kernel."""
+    gated gradients) instead of the weight-gradient kernel. `pairs`: the forward's sort of this index, if it made
+    one (`forward(pairs=...)`), so that it is not sorted again."""
     _require_runnable(x)
     n, n_in, _ = x.shape
     n_experts, d_in, d_out = weight.shape
@@ -733,7 +740,7 @@ def backward(
         x2, g2 = _rows(x, d_in_p), _rows(grad, d_out_p)
         w = _padded_weight(weight, d_in_p, d_out_p)
         flat_gate = gate.reshape(-1).contiguous() if gate is not None else None
-        order, offsets = _sort_pairs(index, n_experts)
+        order, offsets = pairs if pairs else _sort_pairs(index, n_experts)
         if grad_x is None:
             grad_x, gate_grad = _grouped_matmul(
                 g2, slots // n_out, w, True, n * n_in, slots // n_in, order, offsets, flat_gate,
