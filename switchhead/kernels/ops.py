@@ -63,6 +63,7 @@ not for float64), ``torch``, ``reference`` (`reference`: slow, obviously correct
 from __future__ import annotations
 
 import os
+import weakref
 from functools import partial
 from types import ModuleType
 
@@ -317,8 +318,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, index, gate)
 
 
-def _gradients(ctx, grad: Tensor, backward) -> tuple:
-    x, weight, index, gate = ctx.saved_tensors
+def _gradients(ctx, grad: Tensor, backward, saved: tuple | None = None) -> tuple:
+    x, weight, index, gate = ctx.saved_tensors if saved is None else saved
     need_gate = gate is not None and ctx.needs_input_grad[3]
     # A frozen weight's gradient (a third of the backward's products) is not computed. x's always is: the gate
     # gradient comes out of the same products, and inside a model x needs one wherever anything before it trains.
@@ -338,17 +339,22 @@ class _Eager(torch.autograd.Function):
     """The op's autograd for eager calls from `project`: the same forward, saved tensors and backward, called
     directly. Once differentiable, as the op is (its backward has no autograd formula). The forward takes ctx itself
     rather than leaving it to a separate setup_context: with one, every apply binds its arguments to the forward's
-    signature through inspect, which costs tens of microseconds a call. The backward also reuses the Triton
-    forward's sort of the pairs by expert (two launches and a cumsum): the index it sorted is a saved tensor, which
-    autograd refuses to unpack if it was changed in place since."""
+    signature through inspect, which costs tens of microseconds a call.
+
+    The backward also reuses the Triton forward's sort of the pairs by expert (two launches and a cumsum) when the
+    index autograd hands back is the very tensor the forward sorted, which autograd refuses to unpack if it was
+    changed in place since. Saved-tensor hooks (offloading, activation checkpointing's recomputation) hand back
+    another tensor, whose values might differ: then the backward sorts it again."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int) -> Tensor:
         _setup_context(ctx, (x, weight, index, gate, n_out), None)
-        ctx.pairs = []
+        ctx.pairs, ctx.sorted_index = [], weakref.ref(index)  # (a weak one: hooks may mean to free the index)
         return _forward(x, weight, index, gate, n_out, ctx.pairs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple:
-        return _gradients(ctx, grad, partial(_backward_impl, pairs=ctx.pairs))
+        saved = ctx.saved_tensors
+        pairs = ctx.pairs if saved[2] is ctx.sorted_index() else None
+        return _gradients(ctx, grad, partial(_backward_impl, pairs=pairs), saved)
