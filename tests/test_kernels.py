@@ -854,16 +854,18 @@ def test_frozen_weight_launches_no_weight_gradient_kernel(monkeypatch):
     assert kernels[False] == expected
 
 
+@pytest.mark.parametrize("entry", [expert_projection, project], ids=["op", "project"])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4], SHAPES[6], Shape(300, 1, 6, 2, 8, 20, 12)], ids=str)
 @pytest.mark.parametrize("name", ["reference", "torch"])
-def test_autocast_does_not_reach_inside_the_op(shape, name, backend):
-    """Under autocast the op computes as without it, forward and backward: autocast does not cast a custom op's
-    inputs, and must not round the products inside it either."""
+def test_autocast_does_not_reach_inside_the_op(shape, name, entry, backend):
+    """Under autocast the op computes as without it, forward and backward, through the dispatcher or the model's
+    entry (`project`'s autograd.Function in training): autocast does not cast a custom op's inputs, and must not
+    round the products inside it either."""
     backend(name)
     _, cast = make(shape)
-    plain = via_op(shape, cast)
+    plain = via_op(shape, cast, entry)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        under = via_op(shape, cast)
+        under = via_op(shape, cast, entry)
     for name, got, want in zip(["out", "grad_x", "grad_weight", "grad_gate"], under, plain):
         if DEVICE == "cpu":
             assert torch.equal(got, want), name
