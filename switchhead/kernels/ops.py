@@ -193,7 +193,7 @@ def project(x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out
     op's forward, saved tensors and backward, but neither the forward's nor the backward's custom-op dispatch and
     autograd wrappers. At batch-1 decode the dispatch is a large part of the op (docs/BENCHMARKS.md, "Decode: the
     op without its dispatcher"); on a GPU it is host time, which the GPU waits on wherever a call's host time
-    exceeds its GPU time ("The op's host time")."""
+    exceeds its GPU time ("The op's host time without a GPU")."""
     if _plain_eager(x, weight, index, gate):
         grads = x.requires_grad or weight.requires_grad or (gate is not None and gate.requires_grad)
         if grads and torch.is_grad_enabled():
