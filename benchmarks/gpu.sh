@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu.sh OUT_DIR profile frozen    # only these steps
 #
 # Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), table (the GPU
-# table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), host (the host time of a call and
-# where cProfile sees it go: bf16, N = 1, 256, 4096 and 16384), frozen (forward + backward with
+# table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), host (the host time of a call, the op
+# and project, and where cProfile sees it go: bf16, N = 1, 256, 4096 and 16384; then the same host's time by
+# `--simulated`, N = 1 and 256, in host-simulated.txt, to set the estimate made without a GPU beside it), frozen (forward + backward with
 # the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM, and
 # the grouped_mm regime, torch's grouped GEMM over the expert-sorted pairs, beside the Triton kernels, the kernels
 # with grad_x and/or the weight gradient by cuBLAS, and the op as it runs by default: bf16, N = 1024, 4096 and
@@ -66,7 +67,9 @@ for step in "${steps[@]}"; do
                 ../tests/test_kernels.py ;;
         table) run table "$python" kernels.py --no-cpu ;;
         profile) run profile "$python" kernel_profile.py --n 16384 --other ;;
-        host) run host "$python" kernels.py --n 1 256 4096 16384 --host --dtype bfloat16 ;;
+        host)
+            run host "$python" kernels.py --n 1 256 4096 16384 --host --dtype bfloat16
+            run host-simulated "$python" kernels.py --n 1 256 --host --simulated --dtype bfloat16 ;;
         frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
         dense) run dense "$python" kernels.py --n 1024 4096 16384 --regimes dense grouped_mm --device cuda --dtype bfloat16 ;;
         splits) run splits "$python" kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16 ;;
