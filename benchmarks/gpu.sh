@@ -7,8 +7,8 @@
 # Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), table (the GPU
 # table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), host (the host time of a call, the op
 # and project, and where cProfile sees it go: bf16, N = 1, 256, 4096 and 16384; then the same host's time by
-# `--simulated`, N = 1 and 256, in host-simulated.txt, to set the estimate made without a GPU beside it), frozen (forward + backward with
-# the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM, and
+# `--simulated`, N = 1 and 256, in host-simulated.txt, to set the estimate made without a GPU beside it), frozen
+# (forward + backward with the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM, and
 # the grouped_mm regime, torch's grouped GEMM over the expert-sorted pairs, beside the Triton kernels, the kernels
 # with grad_x and/or the weight gradient by cuBLAS, and the op as it runs by default: bf16, N = 1024, 4096 and
 # 16384), splits (the kernels' backward with the weight gradient's pairs in
