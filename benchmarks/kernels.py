@@ -16,6 +16,7 @@
     python benchmarks/kernels.py --n 4096 16384 --weight-grad-splits 1 2 4 8 --dtype bfloat16   # weight-gradient chunks
     python benchmarks/kernels.py --n 1 256 4096 16384 --host --dtype bfloat16   # the op's host time per call on CUDA
     python benchmarks/kernels.py --n 1 16 256 --host --simulated --dtype bfloat16   # the same without a GPU
+    python benchmarks/kernels.py --n 1 256 4096 16384 --graphs --dtype bfloat16   # eager calls vs CUDA-graph replays
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -694,6 +695,98 @@ def simulated_host_table(
     return lines
 
 
+def cuda_graph(fn: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """`fn` captured into a CUDA graph, after warm-up calls on the capture's own stream (lazy initialisation, such
+    as a cuBLAS handle's for that stream, autotuning and autograd's streams stay outside the capture): a function
+    that replays it and returns what the captured call returned, the graph's own tensors, which every replay
+    overwrites. The capture fails if `fn` waits for the GPU on the host (a sync) anywhere."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+
+    def replay() -> tuple[torch.Tensor, ...]:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def graph_table(
+    ns: list[int],
+    device: str = "cuda",
+    cases: list[Case] = CASES,
+    dtype: torch.dtype = torch.bfloat16,
+    calls: int = 20,
+    repeats: int = 15,
+    capture: Callable[[Callable], Callable] = cuda_graph,
+) -> list[str]:
+    """Wall time per call of `project`, the model's entry, called eagerly and replayed from a CUDA graph
+    (`capture`), in inference mode (decoding) and forward + backward (training): how much of a call's host time a
+    graph would take off the GPU's critical path. Every replay's results are first checked against an eager call's;
+    a call that cannot be captured (a host sync) gets '-' cells and its error below the table. Each cell is the best
+    of `repeats` interleaved rounds of `calls` calls, the GPU synchronised at the end of each round. `device` and
+    `capture` let it run without a GPU (a capture returning the function itself), which checks this code, not the
+    timings."""
+    from switchhead.kernels.ops import project
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def rounds_of(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+            sync()
+        return run
+
+    lines = _table("| case | N | decode eager us | graph | graph / eager | fwd+bwd eager us | graph | graph / eager |")
+    failures = []
+    for case in cases:
+        for n in ns:
+            x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
+            args, wrt = (x, w, index, gate, case.n_out), [x, w] + ([gate] if gate is not None else [])
+            g = torch.Generator(device="cpu").manual_seed(1)
+            grad_out = torch.randn(n, case.n_out, case.d_out, generator=g).to(device, dtype)
+
+            def decode(args=args) -> tuple[torch.Tensor, ...]:
+                with torch.inference_mode():
+                    return (project(*args),)
+
+            def train(args=args, wrt=wrt, grad_out=grad_out) -> tuple[torch.Tensor, ...]:
+                return torch.autograd.grad(project(*args), wrt, grad_out)
+
+            fns: dict[str, Callable[[], object]] = {}
+            for step, fn in (("decode", decode), ("fwd+bwd", train)):
+                want, where = [t.clone() for t in fn()], f"{case.name}, N = {n}, {step}"
+                fns[step] = fn
+                try:
+                    replay = capture(fn)
+                except RuntimeError as e:
+                    failures.append(f"{where}: capture failed: {str(e).splitlines()[0]}")
+                    continue
+                names = ("out",) if step == "decode" else ("grad_x", "grad_w", "grad_gate")
+                for name, got, expected in zip(names, replay(), want):
+                    torch.testing.assert_close(got, expected, msg=lambda m, s=f"{where}: the graph's {name}": (
+                        f"{s} is not the eager call's: {m}"))  # fmt: skip
+                fns[step + " graph"] = replay
+            us = {k: v * 1e3 / calls for k, v in interleaved_min_ms({k: rounds_of(f) for k, f in fns.items()},
+                                                                  repeats).items()}  # fmt: skip
+            cells = []
+            for step in ("decode", "fwd+bwd"):
+                graph = us.get(step + " graph")
+                cells += [f"{us[step]:.1f}", "-" if graph is None else f"{graph:.1f}",
+                          "-" if graph is None else f"{graph / us[step]:.2f}"]  # fmt: skip
+            _add_row(lines, f"| {case.name} | {n} | " + " | ".join(cells) + " |")
+    for failure in failures:
+        print(failure, flush=True)
+    return lines
+
+
 def _own_time(stats, calls: int, top: int) -> str:
     """'us function (file:line); ...': the `top` functions by own time per call, most first."""
     rows = sorted(((tt, key) for key, (_, _, tt, _, _) in stats.stats.items()), reverse=True)[:top]
@@ -875,6 +968,11 @@ def main() -> None:
         "nothing (the CUDA path's host time, the op beside project)",
     )
     parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="only project's wall time per call on CUDA, eager and replayed from a CUDA graph, decoding and training",
+    )
+    parser.add_argument(
         "--weight-grad-splits",
         type=int,
         nargs="+",
@@ -909,6 +1007,14 @@ def main() -> None:
         print(f"\n## GPU ({torch.cuda.get_device_name()}): the op's host time per call ({args.dtype}, ms), and "
               "project's functions with the most own time per call under cProfile (us)\n")  # fmt: skip
         host_table(args.n, dtype=getattr(torch, args.dtype))
+        return
+    if args.graphs:
+        if not torch.cuda.is_available():
+            parser.error("--graphs needs a CUDA device")
+        repeats = 5 if args.quick else 15
+        print(f"\n## GPU ({torch.cuda.get_device_name()}): project's wall time per call, eager and replayed from a "
+              f"CUDA graph ({args.dtype}, us, best of {repeats} interleaved rounds of 20 calls)\n")  # fmt: skip
+        graph_table(args.n, dtype=getattr(torch, args.dtype), repeats=repeats)
         return
     if args.weight_grad_splits:
         if min(args.weight_grad_splits) < 1 or not torch.cuda.is_available():

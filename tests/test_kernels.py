@@ -1201,6 +1201,43 @@ def test_simulated_host_time_table_runs_without_a_gpu(monkeypatch):
         assert float(r[7]) == pytest.approx(float(r[6]) / float(r[5]), abs=0.01)
 
 
+def test_graph_table_times_checked_replays(backend, capsys):
+    """`benchmarks/kernels.py --graphs` (project called eagerly and replayed from a CUDA graph), with tiny cases: on
+    CUDA through real graphs; elsewhere with a capture that returns the function itself, which runs the table's
+    code. A row per case and N with positive times and their ratios; a replay whose results are not the eager call's
+    stops the table; a call that cannot be captured gets '-' cells and its error printed, and the rest is timed."""
+    backend("auto" if DEVICE == "cuda" else "torch")
+    bench_module = _benchmark_module()
+    Case = bench_module.Case
+    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    itself = bench_module.cuda_graph if DEVICE == "cuda" else (lambda fn: fn)
+    lines = bench_module.graph_table([1, 9], DEVICE, cases, torch.float32, calls=2, repeats=1, capture=itself)
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
+    assert all(len(r) == 8 and float(cell) > 0 for r in rows for cell in r[2:]), rows
+    for r in rows:  # the ratios are the cells they divide
+        assert float(r[4]) == pytest.approx(float(r[3]) / float(r[2]), abs=0.01)
+        assert float(r[7]) == pytest.approx(float(r[6]) / float(r[5]), abs=0.01)
+
+    def off_by_one(fn):
+        return lambda: tuple(t + 1 for t in fn())
+
+    with pytest.raises(AssertionError, match=r"V, N = 9, decode: the graph's out is not the eager call's"):
+        bench_module.graph_table([9], DEVICE, cases[:1], torch.float32, calls=1, repeats=1, capture=off_by_one)
+
+    def refused(fn):
+        if fn.__name__ == "train":
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        return fn
+
+    capsys.readouterr()
+    lines = bench_module.graph_table([9], DEVICE, cases[:1], torch.float32, calls=1, repeats=1, capture=refused)
+    cells = lines[2].strip("|").split("|")
+    assert all(float(c) > 0 for c in cells[2:6]) and [c.strip() for c in cells[6:]] == ["-", "-"], cells
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == "V, N = 9, fwd+bwd: capture failed: operation not permitted when stream is capturing"
+
+
 def test_weight_grad_split_table_runs_under_the_interpreter(backend, monkeypatch):
     """`benchmarks/kernels.py --weight-grad-splits`, run on the CPU through the interpreter with tiny cases: one row
     per case and N, every count really launched (the gradients it times are the same for each), the knob reset."""
