@@ -1185,6 +1185,85 @@ def test_simulated_gpu_runs_the_cuda_path_on_cpu_tensors_and_leaves_nothing_behi
         project(x, w, index, gate, 1)
 
 
+# aten ops that wait for a CUDA tensor's values on the host (or copy host memory to the GPU): a call that makes one
+# stalls the host every time and cannot be captured into a CUDA graph.
+_HOST_SYNCS = {
+    "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal", "aten::nonzero",
+    "aten::masked_select", "aten::unique_consecutive", "aten::_unique2", "aten::unique_dim", "aten::bincount",
+    "aten::histc", "aten::repeat_interleave", "aten::lift_fresh", "aten::_assert_async",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [
+    Shape(1, 2, 6, 1, 8, 12, 20),  # decode: the gather kernel forward, the tiled backward
+    Shape(37, 2, 6, 1, 8, 12, 20),  # O: several pairs per output row
+    Shape(21, 1, 4, 4, 70, 9, 17, gated=False),  # more experts than the counting sort takes: torch.sort
+], ids=str)  # fmt: skip
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_cuda_path_makes_no_host_sync(shape, deterministic, monkeypatch):
+    """The op's CUDA path, run on CPU tensors by `gpu_build.simulated_gpu`, never reads a tensor's values on the host
+    (no aten op in `_HOST_SYNCS`, no tolist, numpy or cpu) outside the index range check, which runs only on CPU
+    tensors: the op, `project` in training and `project` in inference mode, forward and backward. On a GPU such a read
+    would make the host wait for the GPU at every call and make the call impossible to capture into a CUDA graph
+    (`benchmarks/kernels.py --graphs`). The check itself is seen running, once per forward. (The cuBLAS routes some
+    shapes take from 1024 tokens on need CUDA tensors: on a GPU, the graphs step captures them.)"""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from switchhead.kernels import gpu_build, ops
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")
+    inside_check, reads = [False], []
+    check = ops._check
+
+    def observed_check(*args):
+        inside_check[0] = True
+        try:
+            with record_function("index check"):
+                return check(*args)
+        finally:
+            inside_check[0] = False
+
+    monkeypatch.setattr(ops, "_check", observed_check)
+    for name in ("tolist", "numpy", "cpu", "item"):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args, method=method, name=name, **kwargs):
+            if not inside_check[0]:
+                reads.append(name)
+            return method(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    _, inputs = make(shape, torch.bfloat16)
+    x, w, index, gate = (t if t is None or not t.is_floating_point() else t.requires_grad_() for t in inputs[:4])
+    wrt = [t for t in (x, w, gate) if t is not None]
+
+    def calls() -> None:
+        for entry in (expert_projection, project):
+            out = entry(x, w, index, gate, shape.n_out)
+            torch.autograd.grad(out, wrt, torch.ones_like(out))
+        with torch.inference_mode():
+            project(x, w, index, gate, shape.n_out)
+
+    with gpu_build.simulated_gpu(), deterministic_algorithms(deterministic):
+        calls()  # built and tuned first
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            calls()
+
+    def in_check(event) -> bool:
+        while event is not None:
+            if event.name == "index check":
+                return True
+            event = event.cpu_parent
+        return False
+
+    events = prof.events()
+    syncs = [e.name for e in events if e.name in _HOST_SYNCS and not in_check(e)]
+    assert syncs == [] and reads == [], (syncs, reads)
+    assert sum(e.name == "index check" for e in events) == 3  # one per forward
+    assert any(e.name == "aten::aminmax" and in_check(e) for e in events)  # the CPU-only check did run inside
+
+
 def test_simulated_host_time_table_runs_without_a_gpu(monkeypatch):
     """`benchmarks/kernels.py --host --simulated`, with tiny cases: a row per case and N, with positive times for the
     op, `project` and their ratios, forward, forward + backward and in inference mode."""
