@@ -2087,10 +2087,15 @@ def test_project_skips_the_dispatcher_only_where_nothing_needs_it(shape, backend
         assert torch.equal(g, w_)
     frozen = project(trained[0], w, index, gate, shape.n_out)  # only x trains: the weight gets no gradient
     assert torch.equal(torch.autograd.grad(frozen, trained[0], grad_out)[0], want_grads[0])
-    for out in (op_out, project(*trained, index, trained_gate, shape.n_out)):  # once differentiable, as the op
-        with pytest.raises(RuntimeError):
-            g, = torch.autograd.grad(out, trained[0], grad_out.detach().requires_grad_(), create_graph=True)
-            torch.autograd.grad(g.sum(), trained[1])
+    # Once differentiable, as the op: a second backward through the gradient is refused, not silently zero. (It is
+    # run with backward(): autograd.grad towards an input would fail first for another reason, that the input is
+    # not in the refusing node's graph.)
+    refusals = {"op": "no autograd formula was registered", "project": "differentiate twice a function"}
+    for entry, fn in (("op", expert_projection), ("project", project)):
+        out = fn(*trained, index, trained_gate, shape.n_out)  # a fresh graph (op_out's was freed by its backward)
+        g, = torch.autograd.grad(out, trained[0], grad_out.detach().requires_grad_(), create_graph=True)
+        with pytest.raises(RuntimeError, match=refusals[entry]):
+            g.sum().backward()
 
     with torch.inference_mode(), _Dispatches() as seen:
         assert torch.equal(project(*args), want)
