@@ -4,19 +4,23 @@
 #   bash benchmarks/gpu.sh OUT_DIR                   # every step
 #   bash benchmarks/gpu.sh OUT_DIR profile frozen    # only these steps
 #
-# Steps: tests (the kernel tests on CUDA tensors, compiled kernels, against the float64 loop), table (the GPU
-# table: % of cuBLAS), profile (where the GPU time of a call goes, N = 16384), host (the host time of a call, the op
-# and project, and where cProfile sees it go: bf16, N = 1, 256, 4096 and 16384; then the same host's time by
-# `--simulated`, N = 1 and 256, in host-simulated.txt, to set the estimate made without a GPU beside it), graphs
-# (project's wall time per call, eager and replayed from a CUDA graph, decoding and forward + backward: bf16, N = 1,
-# 256, 4096 and 16384; a call that cannot be captured is reported, not timed), frozen
-# (forward + backward with the weight trained and frozen), dense (the PyTorch dense regime, every expert of a head in one cuBLAS GEMM, and
-# the grouped_mm regime, torch's grouped GEMM over the expert-sorted pairs, beside the Triton kernels, the kernels
-# with grad_x and/or the weight gradient by cuBLAS, and the op as it runs by default: bf16, N = 1024, 4096 and
-# 16384), splits (the kernels' backward with the weight gradient's pairs in
-# 1, 2, 4 and 8 chunks per expert, beside the count the geometry picks: bf16, N = 4096 and 16384), against (the
-# Triton kernels beside themselves as of AGAINST, a git revision or a directory holding an old checkout, e.g. one
-# made with `git worktree add scratch/old REV`: bf16, N = 4096 and 16384; only when named).
+# Steps, in this order:
+#   tests    the kernel tests on CUDA tensors (compiled kernels) against the float64 loop
+#   table    the GPU table: % of cuBLAS
+#   profile  where the GPU time of a call goes, N = 16384
+#   host     the host time of a call, the op and project, and where cProfile sees it go (bf16, N = 1, 256, 4096
+#            and 16384); then the same host's time by `--simulated` (N = 1 and 256) in host-simulated.txt, to set
+#            the estimate made without a GPU beside it
+#   graphs   project's wall time per call, eager and replayed from a CUDA graph, decoding and forward + backward
+#            (bf16, N = 1, 256, 4096 and 16384); a call that cannot be captured is reported, not timed
+#   frozen   forward + backward with the weight trained and frozen
+#   dense    the PyTorch dense regime (every expert of a head in one cuBLAS GEMM) and the grouped_mm regime
+#            (torch's grouped GEMM over the expert-sorted pairs) beside the Triton kernels, the kernels with grad_x
+#            and/or the weight gradient by cuBLAS, and the op as it runs by default (bf16, N = 1024, 4096, 16384)
+#   splits   the kernels' backward with the weight gradient's pairs in 1, 2, 4 and 8 chunks per expert, beside
+#            the count the geometry picks (bf16, N = 4096 and 16384)
+#   against  only when named: the Triton kernels beside themselves as of AGAINST, a git revision or a directory
+#            holding an old checkout, e.g. one made with `git worktree add scratch/old REV` (bf16, N = 4096, 16384)
 # A step that fails stops the run: timings of kernels that fail their tests mean nothing.
 # PYTHON picks the interpreter (default: python3).
 set -euo pipefail

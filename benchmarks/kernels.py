@@ -115,6 +115,23 @@ def interleaved_min_ms(fns: dict[str, Callable[[], object]], repeats: int) -> di
     return {name: min(ts) * 1e3 for name, ts in interleaved_times(fns, repeats).items()}
 
 
+def interleaved_us_per_call(
+    fns: dict[str, Callable[[], object]], calls: int, repeats: int, sync: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """Microseconds per call of each function: the best of `repeats` interleaved rounds (`interleaved_min_ms`) of
+    `calls` calls each, `sync` (e.g. waiting for the GPU) at the end of every round."""
+
+    def rounds_of(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+            sync()
+        return run
+
+    rounds = interleaved_min_ms({name: rounds_of(fn) for name, fn in fns.items()}, repeats)
+    return {name: ms * 1e3 / calls for name, ms in rounds.items()}
+
+
 def _table(header: str) -> list[str]:
     """A markdown table's header and separator, printed at once (the tables stream row by row)."""
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -661,12 +678,6 @@ def simulated_host_table(
     from switchhead.kernels import gpu_build
     from switchhead.kernels.ops import project
 
-    def calls_of(fn: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(calls):
-                fn()
-        return run
-
     lines = _table("| case | N | fwd op us | fwd project | project / op | fwd+bwd op | fwd+bwd project | project / op "
                    "| inference project |")  # fmt: skip
     with _backend("triton"), gpu_build.simulated_gpu():
@@ -686,8 +697,7 @@ def simulated_host_table(
                 }  # fmt: skip
                 for fn in fns.values():
                     fn()  # built and tuned before anything is timed
-                us = {k: v * 1e3 / calls for k, v in interleaved_min_ms({k: calls_of(f) for k, f in fns.items()},
-                                                                      repeats).items()}  # fmt: skip
+                us = interleaved_us_per_call(fns, calls, repeats)
                 cells = [us["op"], us["project"], us["project"] / us["op"], us["op both"], us["project both"],
                          us["project both"] / us["op both"], us["decode"]]  # fmt: skip
                 _add_row(lines, f"| {case.name} | {n} | " + " | ".join(
@@ -736,14 +746,6 @@ def graph_table(
     from switchhead.kernels.ops import project
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def rounds_of(fn: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            for _ in range(calls):
-                fn()
-            sync()
-        return run
-
     lines = _table("| case | N | decode eager us | graph | graph / eager | fwd+bwd eager us | graph | graph / eager |")
     failures = []
     for case in cases:
@@ -774,8 +776,7 @@ def graph_table(
                     torch.testing.assert_close(got, expected, msg=lambda m, s=f"{where}: the graph's {name}": (
                         f"{s} is not the eager call's: {m}"))  # fmt: skip
                 fns[step + " graph"] = replay
-            us = {k: v * 1e3 / calls for k, v in interleaved_min_ms({k: rounds_of(f) for k, f in fns.items()},
-                                                                  repeats).items()}  # fmt: skip
+            us = interleaved_us_per_call(fns, calls, repeats, sync)
             cells = []
             for step in ("decode", "fwd+bwd"):
                 graph = us.get(step + " graph")

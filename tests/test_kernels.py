@@ -1264,6 +1264,13 @@ def test_cuda_path_makes_no_host_sync(shape, deterministic, monkeypatch):
     assert any(e.name == "aten::aminmax" and in_check(e) for e in events)  # the CPU-only check did run inside
 
 
+def _assert_ratio_columns(rows: list[list[str]], *firsts: int) -> None:
+    """In each row, the cell after each pair of columns `first`, `first + 1` is their quotient (as rounded)."""
+    for r in rows:
+        for first in firsts:
+            assert float(r[first + 2]) == pytest.approx(float(r[first + 1]) / float(r[first]), abs=0.01), r
+
+
 def test_simulated_host_time_table_runs_without_a_gpu(monkeypatch):
     """`benchmarks/kernels.py --host --simulated`, with tiny cases: a row per case and N, with positive times for the
     op, `project` and their ratios, forward, forward + backward and in inference mode."""
@@ -1275,9 +1282,7 @@ def test_simulated_host_time_table_runs_without_a_gpu(monkeypatch):
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
     assert all(len(r) == 9 and float(cell) > 0 for r in rows for cell in r[2:]), rows
-    for r in rows:  # the ratios are the cells they divide
-        assert float(r[4]) == pytest.approx(float(r[3]) / float(r[2]), abs=0.01)
-        assert float(r[7]) == pytest.approx(float(r[6]) / float(r[5]), abs=0.01)
+    _assert_ratio_columns(rows, 2, 5)
 
 
 def test_graph_table_times_checked_replays(backend, capsys):
@@ -1294,9 +1299,7 @@ def test_graph_table_times_checked_replays(backend, capsys):
     rows = [line.strip("|").split("|") for line in lines[2:]]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
     assert all(len(r) == 8 and float(cell) > 0 for r in rows for cell in r[2:]), rows
-    for r in rows:  # the ratios are the cells they divide
-        assert float(r[4]) == pytest.approx(float(r[3]) / float(r[2]), abs=0.01)
-        assert float(r[7]) == pytest.approx(float(r[6]) / float(r[5]), abs=0.01)
+    _assert_ratio_columns(rows, 2, 5)
 
     def off_by_one(fn):
         return lambda: tuple(t + 1 for t in fn())
