@@ -11,6 +11,8 @@
 #   host     the host time of a call, the op and project, and where cProfile sees it go (bf16, N = 1, 256, 4096
 #            and 16384); then the same host's time by `--simulated` (N = 1 and 256) in host-simulated.txt, to set
 #            the estimate made without a GPU beside it
+#   launch   project's wall time per call with its kernels launched through Triton's launch path and directly,
+#            decoding and forward + backward (bf16, N = 1, 256, 4096 and 16384)
 #   graphs   project's wall time per call, eager and replayed from a CUDA graph, decoding and forward + backward
 #            (bf16, N = 1, 256, 4096 and 16384); a call that cannot be captured is reported, not timed
 #   frozen   forward + backward with the weight trained and frozen
@@ -25,7 +27,7 @@
 # PYTHON picks the interpreter (default: python3).
 set -euo pipefail
 
-steps_all=(tests table profile host graphs frozen dense splits)
+steps_all=(tests table profile host launch graphs frozen dense splits)
 steps_named=("${steps_all[@]}" against)  # run only when named
 if [[ $# -lt 1 || $1 == -* ]]; then
     echo "usage: [AGAINST=REV] bash benchmarks/gpu.sh OUT_DIR [${steps_named[*]}]" >&2
@@ -76,6 +78,7 @@ for step in "${steps[@]}"; do
         host)
             run host "$python" kernels.py --n 1 256 4096 16384 --host --dtype bfloat16
             run host-simulated "$python" kernels.py --n 1 256 --host --simulated --dtype bfloat16 ;;
+        launch) run launch "$python" kernels.py --n 1 256 4096 16384 --launch --dtype bfloat16 ;;
         graphs) run graphs "$python" kernels.py --n 1 256 4096 16384 --graphs --dtype bfloat16 ;;
         frozen) run frozen "$python" kernels.py --frozen --device cuda --n 4096 16384 ;;
         dense) run dense "$python" kernels.py --n 1024 4096 16384 --regimes dense grouped_mm --device cuda --dtype bfloat16 ;;

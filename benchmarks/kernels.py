@@ -17,6 +17,8 @@
     python benchmarks/kernels.py --n 1 256 4096 16384 --host --dtype bfloat16   # the op's host time per call on CUDA
     python benchmarks/kernels.py --n 1 16 256 --host --simulated --dtype bfloat16   # the same without a GPU
     python benchmarks/kernels.py --n 1 256 4096 16384 --graphs --dtype bfloat16   # eager calls vs CUDA-graph replays
+    python benchmarks/kernels.py --n 1 256 4096 16384 --launch --dtype bfloat16   # Triton's launch path vs direct
+    python benchmarks/kernels.py --n 1 16 256 --launch --simulated --dtype bfloat16   # the same without a GPU
 
 CPU: every PyTorch regime (gather / dense / grouped / combo) and the automatic choice, forward and forward+backward,
 against a dense matmul with the same active FLOPs (N x S*D_in x D_out), measured side by side in one run.
@@ -705,6 +707,97 @@ def simulated_host_table(
     return lines
 
 
+def _us_in_launches(
+    tk: ModuleType, fn: Callable[[], object], calls: int, repeats: int, sync: Callable[[], None]
+) -> float:
+    """Microseconds per call of `fn` spent in its kernel launches (`tk._launch` and the launch it returns, not the
+    arguments' evaluation between them), best of `repeats` rounds of `calls` calls, `sync` after each round."""
+    launch, spent = tk._launch, [0.0]
+
+    def timed(kernel, grid):
+        t0 = time.perf_counter()
+        run = launch(kernel, grid)
+        spent[0] += time.perf_counter() - t0
+
+        def call(*args, **kwargs):
+            t1 = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t1
+
+        return call
+
+    best = float("inf")
+    tk._launch = timed
+    try:
+        for _ in range(repeats):
+            spent[0] = 0.0
+            for _ in range(calls):
+                fn()
+            sync()
+            best = min(best, spent[0])
+    finally:
+        tk._launch = launch
+    return best * 1e6 / calls
+
+
+def launch_table(
+    ns: list[int],
+    device: str = "cuda",
+    cases: list[Case] = CASES,
+    dtype: torch.dtype = torch.bfloat16,
+    calls: int = 20,
+    repeats: int = 15,
+) -> list[str]:
+    """Time per call of `project`, the model's entry, with its kernels launched through Triton's own launch path and
+    directly (`triton_kernels.FAST_LAUNCH` off and on, one call each in turn), in inference mode (decoding) and
+    forward + backward with autograd (training): each cell of the whole call is the best of `repeats` interleaved
+    rounds of `calls` calls, the GPU synchronised at the end of each round (on a GPU, wall time; inside
+    `gpu_build.simulated_gpu`, with `device` "cpu", the host time of the CUDA path); "in launches" is the part of a
+    call spent launching kernels, timed separately (best of 5 rounds)."""
+    from switchhead.kernels import triton_kernels
+    from switchhead.kernels.ops import project
+
+    tk = triton_kernels.load()
+    saved = tk.FAST_LAUNCH
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    columns = (f"{step} Triton's launch us | direct | direct / Triton's | in launches: Triton's | direct"
+               for step in ("decode", "fwd+bwd"))  # fmt: skip
+    lines = _table("| case | N | " + " | ".join(columns) + " |")
+
+    def launched(fn: Callable[[], object], direct: bool) -> Callable[[], object]:
+        def run() -> object:
+            tk.FAST_LAUNCH = direct
+            return fn()
+
+        return run
+
+    try:
+        for case in cases:
+            for n in ns:
+                x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
+                args, wrt = (x, w, index, gate, case.n_out), [x, w] + ([gate] if gate is not None else [])
+
+                def decode(args=args) -> object:
+                    with torch.inference_mode():
+                        return project(*args)
+
+                steps = {"decode": decode, "fwd+bwd": _fwd_bwd(project, args, wrt)}
+                fns = {(step, direct): launched(fn, direct) for step, fn in steps.items() for direct in (False, True)}
+                for fn in fns.values():  # built, tuned, and each build seen by the direct launch, before timing
+                    fn()
+                    fn()
+                us = interleaved_us_per_call(fns, calls, repeats, sync)
+                inside = {key: _us_in_launches(tk, fn, calls, 5, sync) for key, fn in fns.items()}
+                cells = [f"{us[step, False]:.1f} | {us[step, True]:.1f} | {us[step, True] / us[step, False]:.2f} | "
+                         f"{inside[step, False]:.1f} | {inside[step, True]:.1f}" for step in steps]  # fmt: skip
+                _add_row(lines, f"| {case.name} | {n} | " + " | ".join(cells) + " |")
+    finally:
+        tk.FAST_LAUNCH = saved
+    return lines
+
+
 def cuda_graph(fn: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
     """`fn` captured into a CUDA graph, after warm-up calls on the capture's own stream (lazy initialisation, such
     as a cuBLAS handle's for that stream, autotuning and autograd's streams stay outside the capture): a function
@@ -965,13 +1058,19 @@ def main() -> None:
     parser.add_argument(
         "--simulated",
         action="store_true",
-        help="with --host: without a GPU, on CPU tensors through a stand-in for Triton's CUDA driver that launches "
-        "nothing (the CUDA path's host time, the op beside project)",
+        help="with --host or --launch: without a GPU, on CPU tensors through a stand-in for Triton's CUDA driver that "
+        "launches nothing (the CUDA path's host time; --host: the op beside project)",
     )
     parser.add_argument(
         "--graphs",
         action="store_true",
         help="only project's wall time per call on CUDA, eager and replayed from a CUDA graph, decoding and training",
+    )
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="only project's time per call on CUDA with its kernels launched through Triton's launch path and "
+        "directly (with --simulated: host time without a GPU)",
     )
     parser.add_argument(
         "--weight-grad-splits",
@@ -994,8 +1093,25 @@ def main() -> None:
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()},"
         f" CPU regime costs {torch_paths.this_cpu()}"
     )
-    if args.simulated and not args.host:
-        parser.error("--simulated goes with --host")
+    if args.simulated and not (args.host or args.launch):
+        parser.error("--simulated goes with --host or --launch")
+    if args.launch:
+        from switchhead.kernels import gpu_build
+
+        dtype, repeats = getattr(torch, args.dtype), 5 if args.quick else 15
+        if not (args.simulated or torch.cuda.is_available()):
+            parser.error("--launch needs a CUDA device (or --simulated)")
+        where = "Simulated GPU (sm_90 builds, launches that do nothing)" if args.simulated else (
+            f"GPU ({torch.cuda.get_device_name()})")  # fmt: skip
+        timed = "host time" if args.simulated else "wall time"
+        print(f"\n## {where}: project's {timed} per call, kernels launched through Triton's launch path and directly "
+              f"({args.dtype}, us, best of {repeats} interleaved rounds of 20 calls)\n")  # fmt: skip
+        if args.simulated:
+            with _backend("triton"), gpu_build.simulated_gpu():
+                launch_table(args.n, "cpu", dtype=dtype, repeats=repeats)
+        else:
+            launch_table(args.n, dtype=dtype, repeats=repeats)
+        return
     if args.host and args.simulated:
         dtype = getattr(torch, args.dtype)
         print(f"\n## Simulated GPU (sm_90 builds, launches that do nothing): host time per call ({args.dtype}, us, "

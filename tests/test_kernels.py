@@ -1264,6 +1264,82 @@ def test_cuda_path_makes_no_host_sync(shape, deterministic, monkeypatch):
     assert any(e.name == "aten::aminmax" and in_check(e) for e in events)  # the CPU-only check did run inside
 
 
+def test_direct_launch_launches_what_tritons_path_launches(monkeypatch):
+    """`triton_kernels._launch`, run on CPU tensors by `gpu_build.simulated_gpu`: with the direct launch on, every
+    launch of the op's forward and backward and of `project` in inference mode hands the launcher the same build
+    (the same object Triton's own launch path picked), grid and arguments as with it off, and once each build has
+    been seen every launch is direct. The inputs go from aligned to unaligned pointers (an unpadded input row 260
+    wide, one element into its buffer), from pair counts divisible by 16 to others, from bf16 to fp32, gated and not,
+    with atomics and deterministic, one after the other, so that a build found for one is looked up for the next."""
+    from triton.compiler.compiler import CompiledKernel
+
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")
+    tk = triton_kernels.load()
+    launched = []
+
+    def recorder(build):
+        def launch(g0, g1, g2, stream, function, packed, metadata, enter_hook, exit_hook, *args):
+            described = [(a.dtype, a.shape, a.stride(), a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a
+                         for a in args]  # fmt: skip
+            launched.append((build, (g0, g1, g2), described))
+
+        return launch
+
+    monkeypatch.setattr(CompiledKernel, "run", property(recorder))  # both paths launch through build.run
+
+    def unaligned(t: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(t.numel() + 1, dtype=t.dtype)
+        return buffer[1:].view_as(t).copy_(t)
+
+    cases = []
+    for shape, dtype, deterministic, shift in [
+        (Shape(16, 1, 4, 1, 5, 260, 24), torch.bfloat16, False, False),
+        (Shape(16, 1, 4, 1, 5, 260, 24), torch.bfloat16, False, True),  # x one element off its 16-byte alignment
+        (Shape(13, 2, 6, 1, 8, 12, 20), torch.bfloat16, False, False),  # 78 pairs; several per output row
+        (Shape(16, 2, 6, 1, 8, 12, 20), torch.bfloat16, True, False),  # 96 pairs
+        (Shape(16, 2, 6, 1, 8, 12, 20, gated=False), torch.float32, False, False),
+        (Shape(2, 2, 6, 2, 8, 12, 20), torch.float32, False, False),  # the gather kernel forward
+    ]:  # fmt: skip
+        x, w, index, gate = make(shape, dtype)[1][:4]
+        x = unaligned(x) if shift else x
+        assert (x.data_ptr() % 16 != 0) == shift
+        x, w = x.requires_grad_(), w.requires_grad_()
+        cases.append((shape, deterministic, x, w, index, gate.requires_grad_() if gate is not None else None))
+
+    def run_all() -> list:
+        launched.clear()
+        for shape, deterministic, x, w, index, gate in cases:
+            with deterministic_algorithms(deterministic):
+                out = expert_projection(x, w, index, gate, shape.n_out)
+                torch.autograd.grad(out, [t for t in (x, w, gate) if t is not None], torch.ones_like(out))
+                with torch.inference_mode():
+                    project(x, w, index, gate, shape.n_out)
+        return list(launched)
+
+    with gpu_build.simulated_gpu():
+        monkeypatch.setattr(tk, "FAST_LAUNCH", False)
+        run_all()  # built and tuned
+        through_triton = run_all()
+        monkeypatch.setattr(tk, "FAST_LAUNCH", True)
+        run_all()  # each build seen once
+        direct_before = sum(launcher.direct for launcher in tk._launchers.values())
+        direct = run_all()
+        direct_launches = sum(launcher.direct for launcher in tk._launchers.values()) - direct_before
+    names = {build.name for build, _, _ in direct}
+    assert names == {"_count_pairs_kernel", "_place_pairs_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel",
+                     "_gather_kernel"}  # fmt: skip
+    assert len(direct) == len(through_triton) > 0 and direct_launches == len(direct)
+    for ours, theirs in zip(direct, through_triton, strict=True):
+        assert ours[0] is theirs[0] and ours[1:] == theirs[1:], (ours[0].name, ours[1:], theirs[1:])
+    grouped = {id(b) for b, _, _ in through_triton if b.name == "_grouped_matmul_kernel"}
+    assert len(grouped) >= 4  # the cases did need builds of their own
+    jits = [(k.fn if hasattr(k, "configs") else k) for k in (getattr(tk, name) for name in gpu_build.KERNELS)]
+    assert [jit.used_global_vals for jit in jits] == [{}] * len(jits)  # no globals to check, as Triton would
+
+
 def _assert_ratio_columns(rows: list[list[str]], *firsts: int) -> None:
     """In each row, the cell after each pair of columns `first`, `first + 1` is their quotient (as rounded)."""
     for r in rows:
@@ -1283,6 +1359,29 @@ def test_simulated_host_time_table_runs_without_a_gpu(monkeypatch):
     assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
     assert all(len(r) == 9 and float(cell) > 0 for r in rows for cell in r[2:]), rows
     _assert_ratio_columns(rows, 2, 5)
+
+
+def test_launch_table_times_both_launch_paths_without_a_gpu(monkeypatch):
+    """`benchmarks/kernels.py --launch --simulated`, with tiny cases: a row per case and N, with positive times for
+    Triton's launch path and the direct launch, decoding and forward + backward (whole calls, their ratio, and the
+    time inside the launches); the direct cells did launch directly, and the switch is left as it was."""
+    from switchhead.kernels import gpu_build, triton_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")
+    tk = triton_kernels.load()
+    bench_module = _benchmark_module()
+    Case = bench_module.Case
+    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    direct_before = sum(launcher.direct for launcher in tk._launchers.values())
+    with gpu_build.simulated_gpu():
+        lines = bench_module.launch_table([1, 9], "cpu", cases, torch.bfloat16, calls=2, repeats=1)
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
+    assert all(len(r) == 12 and float(cell) > 0 for r in rows for cell in r[2:]), rows
+    _assert_ratio_columns(rows, 2, 7)
+    assert sum(launcher.direct for launcher in tk._launchers.values()) > direct_before
+    assert tk.FAST_LAUNCH is True
 
 
 def test_graph_table_times_checked_replays(backend, capsys):
