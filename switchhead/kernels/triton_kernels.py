@@ -28,7 +28,9 @@ TF32). Widths and row strides are compile-time constants, so that every build ge
 loads; rows are zero-padded to a multiple of 16 elements (`ALIGN`) where measurements showed it pays, while the
 results (output, grad_x, weight gradient) are written at their own widths, so no copy slices the padding off.
 `gpu_build` builds the kernels for a GPU without one to check both. Under TRITON_INTERPRET=1 (CPU
-tests) a single small config is used.
+tests) a single small config is used. Every launch goes through `_launch`, which launches a build directly once
+Triton's own launch path has chosen it for the same arguments: a call's host time is what the GPU waits on at
+these sizes.
 
 TRITON_INTERPRET is read by ``triton.jit`` when this module is imported; `load` re-imports the module when
 the variable changed since, so tests can switch to the interpreter at run time.
