@@ -1268,9 +1268,10 @@ def test_direct_launch_launches_what_tritons_path_launches(monkeypatch):
     """`triton_kernels._launch`, run on CPU tensors by `gpu_build.simulated_gpu`: with the direct launch on, every
     launch of the op's forward and backward and of `project` in inference mode hands the launcher the same build
     (the same object Triton's own launch path picked), grid and arguments as with it off, and once each build has
-    been seen every launch is direct. The inputs go from aligned to unaligned pointers (an unpadded input row 260
-    wide, one element into its buffer), from pair counts divisible by 16 to others, from bf16 to fp32, gated and not,
-    with atomics and deterministic, one after the other, so that a build found for one is looked up for the next."""
+    been seen every launch is direct (while a hook added to a kernel still runs before each of its launches). The
+    inputs go from aligned to unaligned pointers (an unpadded input row 260 wide, one element into its buffer), from
+    pair counts divisible by 16 to others, from bf16 to fp32, gated and not, with atomics and deterministic, one
+    after the other, so that a build found for one is looked up for the next."""
     from triton.compiler.compiler import CompiledKernel
 
     from switchhead.kernels import gpu_build, triton_kernels
@@ -1328,6 +1329,11 @@ def test_direct_launch_launches_what_tritons_path_launches(monkeypatch):
         direct_before = sum(launcher.direct for launcher in tk._launchers.values())
         direct = run_all()
         direct_launches = sum(launcher.direct for launcher in tk._launchers.values()) - direct_before
+        hooked = []  # a hook added to a kernel runs before each of its launches, as through Triton's path
+        with monkeypatch.context() as m:
+            m.setattr(tk._count_pairs_kernel, "pre_run_hooks", [lambda *args, **kwargs: hooked.append(args)])
+            run_all()
+    assert len(hooked) == sum(build.name == "_count_pairs_kernel" for build, _, _ in direct) > 0
     names = {build.name for build, _, _ in direct}
     assert names == {"_count_pairs_kernel", "_place_pairs_kernel", "_grouped_matmul_kernel", "_weight_grad_kernel",
                      "_gather_kernel"}  # fmt: skip

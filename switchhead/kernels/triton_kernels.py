@@ -233,6 +233,8 @@ class _DirectLauncher:
             self.key_at = [(kernel.arg_names.index(name), name) for name in kernel.keys]
 
     def __call__(self, grid, args: tuple, kwargs: dict):
+        if self.jit.pre_run_hooks:  # hooks someone added to the kernel, which Triton's path runs before each launch
+            return self.kernel[grid](*args, **kwargs)
         config = {}
         if self.tuned:
             configs = self.kernel.configs
