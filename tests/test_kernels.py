@@ -1264,6 +1264,20 @@ def test_cuda_path_makes_no_host_sync(shape, deterministic, monkeypatch):
     assert any(e.name == "aten::aminmax" and in_check(e) for e in events)  # the CPU-only check did run inside
 
 
+def test_host_arithmetic_is_tritons():
+    """The launchers' plain-Python ceil division and next power of two (grids, block counts, E_PAD) give what
+    triton.cdiv and triton.next_power_of_2 give, at every size the kernels see."""
+    import triton
+
+    from switchhead.kernels import triton_kernels
+
+    tk = triton_kernels.load()
+    assert [tk._cdiv(a, b) for a in range(300) for b in (1, 2, 3, 16, 64, 127)] == [
+        triton.cdiv(a, b) for a in range(300) for b in (1, 2, 3, 16, 64, 127)]  # fmt: skip
+    assert [tk._next_power_of_2(n) for n in range(1, 5000)] == [triton.next_power_of_2(n) for n in range(1, 5000)]
+    assert tk._aligned(412, 16) == 416 and tk._aligned(416, 16) == 416 and tk._aligned(1, 1) == 1
+
+
 def test_direct_launch_launches_what_tritons_path_launches(monkeypatch):
     """`triton_kernels._launch`, run on CPU tensors by `gpu_build.simulated_gpu`: with the direct launch on, every
     launch of the op's forward and backward and of `project` in inference mode hands the launcher the same build

@@ -108,9 +108,19 @@ def load() -> ModuleType:
     return module
 
 
+# Host-side arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 work in kernels too, and cost
+# 2-3 us per call on the host (Triton 3.9), about as much as a launch's own Python.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _bucket(n: int) -> int:
     """Autotune key for a row count: the next power of two, so nearby sizes share one tuning result."""
-    return 1 << max(n - 1, 0).bit_length()
+    return _next_power_of_2(n)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -184,7 +194,7 @@ def _gate_grad_partials(n_dim: int, n_pairs: int, configs: dict[str, list[triton
     """The zeroed fp32 [column blocks, pairs] buffer of a gate-gradient epilogue's per-block partial sums, with
     as many blocks as the narrowest of `configs`' tiles cuts the output width into."""
     block_n = min(c.kwargs["BLOCK_N"] for c in _all(configs))
-    return torch.zeros(triton.cdiv(n_dim, block_n), n_pairs, dtype=torch.float32, device=device)
+    return torch.zeros(_cdiv(n_dim, block_n), n_pairs, dtype=torch.float32, device=device)
 
 
 def _require_runnable(t: Tensor) -> None:
@@ -255,8 +265,15 @@ class _DirectLauncher:
             if build is not None:
                 self.builds[key] = build
             return build
+        # The launch as Triton's path makes it with a build it has (JITFunction.run), whose launch metadata is only
+        # for a launch hook (None without one).
         grid = grid(bound) if callable(grid) else grid  # the arguments by name, as Triton passes them
-        build[(*grid, 1, 1)[:3]](*bound.values())
+        args, stream = tuple(bound.values()), driver.active.get_current_stream(device)
+        enter_hook = knobs.runtime.launch_enter_hook
+        metadata = build.launch_metadata(grid, stream, *args) if enter_hook is not None else None
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        build.run(g0, g1, g2, stream, build.function, build.packed_metadata, metadata, enter_hook,
+                  knobs.runtime.launch_exit_hook, *args)  # fmt: skip
         self.direct += 1
         return build
 
@@ -325,7 +342,7 @@ def _counting_block(n_experts: int) -> int:
     # 2**12 one-hot cells per program: with 2**14 the sm_90 build of the placing kernel spilled (4 warps).
     # 2**8 under the interpreter, which runs the programs one at a time (tests then see several blocks).
     cells = 2**8 if _INTERPRETED else 2**12
-    return max(16, cells // triton.next_power_of_2(n_experts + 1))
+    return max(16, cells // _next_power_of_2(n_experts + 1))
 
 
 @triton.jit
@@ -374,8 +391,8 @@ def _counting_sort(flat: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     if n_pairs == 0:  # no block to launch, and block 0 is what writes the offsets
         return flat.new_empty(0, dtype=torch.int32), flat.new_zeros(n_experts + 1, dtype=torch.int32)
     block = _counting_block(n_experts)
-    n_blocks = triton.cdiv(n_pairs, block)
-    e_pad = triton.next_power_of_2(n_experts + 1)  # E and one more, so that offsets[E] has a lane
+    n_blocks = _cdiv(n_pairs, block)
+    e_pad = _next_power_of_2(n_experts + 1)  # E and one more, so that offsets[E] has a lane
     counts = torch.empty(n_experts * n_blocks, dtype=torch.int32, device=flat.device)
     order = torch.empty(n_pairs, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=flat.device)
@@ -537,8 +554,8 @@ def _grouped_matmul(
         c = gate_grad
 
     def grid(meta: dict) -> tuple[int, int]:
-        tiles = triton.cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
-        return tiles, triton.cdiv(n_dim, meta["BLOCK_N"])
+        tiles = _cdiv(n_pairs, meta["BLOCK_M"]) + n_experts
+        return tiles, _cdiv(n_dim, meta["BLOCK_N"])
 
     _launch(_grouped_matmul_kernel, grid)(
         a, weight, c, order, offsets,
@@ -548,7 +565,7 @@ def _grouped_matmul(
         a.stride(0), weight.stride(0), stride_wk, stride_wn, c.stride(0) if store else 0,
         partner.stride(0) if partner is not None else 0,
         HAS_GATE=gate is not None, GATE_GRAD=partner is not None, STORE=store, ATOMIC=atomic,
-        PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), E_PAD=triton.next_power_of_2(n_experts), **_BUILD,
+        PRECISION=_precision(a.dtype), DOT_FP32=_dot_fp32(a.dtype), E_PAD=_next_power_of_2(n_experts), **_BUILD,
     )  # fmt: skip
     if per_pair:
         c = c.view(c_rows, c_per, width).sum(1)
@@ -645,7 +662,7 @@ def _weight_grad(
     dw = torch.empty(splits * n_experts, w_in, w_out, dtype=partial_dtype, device=x2.device)
 
     def grid(meta: dict) -> tuple[int, int, int]:
-        return triton.cdiv(d_in, meta["BLOCK_K"]), triton.cdiv(d_out, meta["BLOCK_N"]), n_experts * splits
+        return _cdiv(d_in, meta["BLOCK_K"]), _cdiv(d_out, meta["BLOCK_N"]), n_experts * splits
 
     _launch(_weight_grad_kernel, grid)(
         x2, g2, gate if gate is not None else x2, order, offsets, dw,
@@ -664,7 +681,7 @@ def _weight_grad_splits(n_experts: int, d_in: int, d_out: int, pair_bucket: int,
     only on the shapes and the GPU (and WEIGHT_GRAD_SPLITS)."""
     if WEIGHT_GRAD_SPLITS > 0:
         return WEIGHT_GRAD_SPLITS
-    programs = n_experts * triton.cdiv(d_in, 64) * triton.cdiv(d_out, 64)
+    programs = n_experts * _cdiv(d_in, 64) * _cdiv(d_out, 64)
     wanted = round(WEIGHT_GRAD_PROGRAMS_PER_SM * _sm_count(device) / programs)
     affordable = pair_bucket // (n_experts * WEIGHT_GRAD_MIN_PAIRS)
     return max(1, min(wanted, affordable, WEIGHT_GRAD_MAX_SPLITS))
@@ -726,7 +743,7 @@ def _gather(x2: Tensor, x_per: int, weight: Tensor, index: Tensor, gate: Tensor 
     d_in, d_out = weight.shape[1], weight.shape[2]
     out = torch.empty(rows, d_out, dtype=x2.dtype, device=x2.device)
     block_k, block_n = (16, 16) if _INTERPRETED else (128, 32)
-    _launch(_gather_kernel, (rows, triton.cdiv(d_out, block_n)))(
+    _launch(_gather_kernel, (rows, _cdiv(d_out, block_n)))(
         x2, weight, index, gate if gate is not None else x2, out,
         d_in, d_out, x_per, c_per,
         x2.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0),
@@ -749,7 +766,7 @@ def _rows(t: Tensor, width: int | None = None) -> Tensor:
 
 
 def _aligned(d: int, align: int) -> int:
-    return -(-d // align) * align
+    return _cdiv(d, align) * align
 
 
 def _padded_weight(weight: Tensor, d_in: int, d_out: int) -> Tensor:
