@@ -15,7 +15,7 @@ import os
 import random
 import re
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,6 +173,32 @@ def test_project_in_training_matches_naive_loop(shape, name, backend):
     backend(name)
     exact, cast = make(shape)
     assert_matches(via_op(shape, cast, project), naive_all(shape, exact), torch.float32)
+
+
+def test_kernels_run_on_the_inputs_device_whatever_device_is_current(backend):
+    """Triton launches on the current CUDA device; the kernels' entry points make their inputs' device current, so that
+    a model on another GPU than the current one (`--device cuda:1`) runs where its tensors are. Every CUDA device in
+    turn, with device 0 current: the op (forward and backward) and `project` in inference mode (decoding), at the
+    gather kernel's N and the tiled kernels', against the float64 loop. With one GPU that is the one device, and on
+    the CPU the suite's device: the check bites on a machine with several GPUs."""
+    backend("triton")
+    count = torch.cuda.device_count() if DEVICE == "cuda" else 0
+    devices = [f"cuda:{i}" for i in range(count)] if count else [DEVICE]
+    with torch.cuda.device(0) if count else nullcontext():
+        for shape, device in itertools.product((Shape(1, 2, 6, 1, 8, 12, 20), Shape(40, 2, 6, 2, 8, 12, 20)), devices):
+            exact, cast = make(shape)
+            want = naive_all(shape, exact)
+            x, w, index, gate, grad = (t.to(device, copy=True) for t in cast)
+            x, w, gate = (t.requires_grad_() for t in (x, w, gate))
+            out = expert_projection(x, w, index, gate, shape.n_out)
+            got = [out.detach(), *torch.autograd.grad(out, [x, w, gate], grad)]
+            assert {t.device for t in got} == {torch.device(device)}
+            assert_matches([t.cpu() for t in got], want, torch.float32)
+            with torch.inference_mode():
+                decoded = project(x, w, index, gate, shape.n_out)
+            assert decoded.device == torch.device(device)
+            assert_matches([decoded.cpu()], want[:1], torch.float32)
+            assert not count or torch.cuda.current_device() == 0  # left as it was
 
 
 def test_project_backward_reuses_the_forward_sort_on_every_pass(backend):

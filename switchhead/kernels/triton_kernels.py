@@ -38,6 +38,7 @@ the variable changed since, so tests can switch to the interpreter at run time.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import sys
@@ -775,6 +776,21 @@ def _padded_weight(weight: Tensor, d_in: int, d_out: int) -> Tensor:
     return torch.nn.functional.pad(weight, (0, d_out - weight.shape[2], 0, d_in - weight.shape[1]))
 
 
+def _on_the_tensors_device(fn):
+    """`fn` run with the CUDA device of its first argument current: Triton launches on the current device, so a model
+    on cuda:1 while cuda:0 is current would have its kernels launched where its tensors are not."""
+
+    @functools.wraps(fn)
+    def run(t: Tensor, *args, **kwargs):
+        if t.is_cuda and t.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(t, *args, **kwargs)
+        return fn(t, *args, **kwargs)
+
+    return run
+
+
+@_on_the_tensors_device
 def forward(
     x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, n_out: int, pairs: list | None = None
 ) -> Tensor:
@@ -801,6 +817,7 @@ def forward(
     return out.to(x.dtype).view(n, n_out, d_out)
 
 
+@_on_the_tensors_device
 def backward(
     grad: Tensor, x: Tensor, weight: Tensor, index: Tensor, gate: Tensor | None, need_gate_grad: bool,
     need_weight_grad: bool = True, dense_grad_x: bool = False, dense_grad_w: bool = False, pairs: list | None = None,
