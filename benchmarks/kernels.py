@@ -94,6 +94,23 @@ def make_inputs(case: Case, n: int, dtype: torch.dtype, device: str, grad: bool 
     return x, w, index, gate
 
 
+def projection_args(case: Case, n: int, dtype: torch.dtype, device: str) -> tuple[tuple, list[torch.Tensor]]:
+    """The op's arguments for `case` at `n` tokens, inputs requiring grad as in training (`make_inputs`), and the
+    tensors a backward differentiates."""
+    x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
+    return (x, w, index, gate, case.n_out), [x, w] + ([gate] if gate is not None else [])
+
+
+def _decoding(fn: Callable, args: tuple) -> Callable[[], object]:
+    """`fn(*args)` in inference mode, as the runtime calls the model's projections while decoding."""
+
+    def run() -> object:
+        with torch.inference_mode():
+            return fn(*args)
+
+    return run
+
+
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
     """Wall times in seconds of each function over `repeats` rounds, calling them in turn each round (after one
     warm-up round). The machine is shared: interleaving exposes every candidate to the same background load. Each
@@ -685,17 +702,11 @@ def simulated_host_table(
     with _backend("triton"), gpu_build.simulated_gpu():
         for case in cases:
             for n in ns:
-                x, w, index, gate = make_inputs(case, n, dtype, "cpu", grad=True)
-                args, wrt = (x, w, index, gate, case.n_out), [x, w] + ([gate] if gate is not None else [])
-
-                def decode(args=args) -> object:
-                    with torch.inference_mode():
-                        return project(*args)
-
+                args, wrt = projection_args(case, n, dtype, "cpu")
                 fns = {
                     "op": _call(expert_projection, *args), "project": _call(project, *args),
                     "op both": _fwd_bwd(expert_projection, args, wrt), "project both": _fwd_bwd(project, args, wrt),
-                    "decode": decode,
+                    "decode": _decoding(project, args),
                 }  # fmt: skip
                 for fn in fns.values():
                     fn()  # built and tuned before anything is timed
@@ -776,14 +787,8 @@ def launch_table(
     try:
         for case in cases:
             for n in ns:
-                x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
-                args, wrt = (x, w, index, gate, case.n_out), [x, w] + ([gate] if gate is not None else [])
-
-                def decode(args=args) -> object:
-                    with torch.inference_mode():
-                        return project(*args)
-
-                steps = {"decode": decode, "fwd+bwd": _fwd_bwd(project, args, wrt)}
+                args, wrt = projection_args(case, n, dtype, device)
+                steps = {"decode": _decoding(project, args), "fwd+bwd": _fwd_bwd(project, args, wrt)}
                 fns = {(step, direct): launched(fn, direct) for step, fn in steps.items() for direct in (False, True)}
                 for fn in fns.values():  # built, tuned, and each build seen by the direct launch, before timing
                     fn()
@@ -843,14 +848,13 @@ def graph_table(
     failures = []
     for case in cases:
         for n in ns:
-            x, w, index, gate = make_inputs(case, n, dtype, device, grad=True)
-            args, wrt = (x, w, index, gate, case.n_out), [x, w] + ([gate] if gate is not None else [])
+            args, wrt = projection_args(case, n, dtype, device)
             g = torch.Generator(device="cpu").manual_seed(1)
             grad_out = torch.randn(n, case.n_out, case.d_out, generator=g).to(device, dtype)
+            decoded = _decoding(project, args)
 
-            def decode(args=args) -> tuple[torch.Tensor, ...]:
-                with torch.inference_mode():
-                    return (project(*args),)
+            def decode(decoded=decoded) -> tuple[torch.Tensor, ...]:
+                return (decoded(),)
 
             def train(args=args, wrt=wrt, grad_out=grad_out) -> tuple[torch.Tensor, ...]:
                 return torch.autograd.grad(project(*args), wrt, grad_out)
@@ -1095,10 +1099,11 @@ def main() -> None:
     )
     if args.simulated and not (args.host or args.launch):
         parser.error("--simulated goes with --host or --launch")
+    repeats = 5 if args.quick else 15  # of the interleaved timing rounds
     if args.launch:
         from switchhead.kernels import gpu_build
 
-        dtype, repeats = getattr(torch, args.dtype), 5 if args.quick else 15
+        dtype = getattr(torch, args.dtype)
         if not (args.simulated or torch.cuda.is_available()):
             parser.error("--launch needs a CUDA device (or --simulated)")
         where = "Simulated GPU (sm_90 builds, launches that do nothing)" if args.simulated else (
@@ -1115,8 +1120,8 @@ def main() -> None:
     if args.host and args.simulated:
         dtype = getattr(torch, args.dtype)
         print(f"\n## Simulated GPU (sm_90 builds, launches that do nothing): host time per call ({args.dtype}, us, "
-              f"best of {5 if args.quick else 15} interleaved rounds of 20 calls)\n")  # fmt: skip
-        simulated_host_table(args.n, dtype=dtype, repeats=5 if args.quick else 15)
+              f"best of {repeats} interleaved rounds of 20 calls)\n")  # fmt: skip
+        simulated_host_table(args.n, dtype=dtype, repeats=repeats)
         return
     if args.host:
         if not torch.cuda.is_available():
@@ -1128,7 +1133,6 @@ def main() -> None:
     if args.graphs:
         if not torch.cuda.is_available():
             parser.error("--graphs needs a CUDA device")
-        repeats = 5 if args.quick else 15
         print(f"\n## GPU ({torch.cuda.get_device_name()}): project's wall time per call, eager and replayed from a "
               f"CUDA graph ({args.dtype}, us, best of {repeats} interleaved rounds of 20 calls)\n")  # fmt: skip
         graph_table(args.n, dtype=getattr(torch, args.dtype), repeats=repeats)
@@ -1145,7 +1149,6 @@ def main() -> None:
     if args.frozen:
         timed = "GPU time" if args.device == "cuda" else "best of the interleaved repeats"
         print(f"\n## {args.device.upper()} op, weight trained and frozen ({args.dtype}, {timed}, ms)\n")
-        repeats = 5 if args.quick else 15
         timer = each_call(kernel_ms) if args.device == "cuda" else partial(interleaved_min_ms, repeats=repeats)
         frozen_table(args.n, timer, getattr(torch, args.dtype), args.device)
         return
@@ -1164,33 +1167,33 @@ def main() -> None:
         if set(regimes) - {"grouped", "combo"} or args.against:
             parser.error("--block-elements times the blocked regimes (grouped, combo) of the current code only")
         print(f"\n## CPU {' and '.join(regimes)} by block size (fp32, best of the interleaved repeats, ms)\n")
-        block_table(args.n, args.block_elements, 5 if args.quick else 15, regimes)
+        block_table(args.n, args.block_elements, repeats, regimes)
         return
     if args.regimes:
         print(f"\n## CPU regimes, forward and backward ({args.dtype}, best of the interleaved repeats, ms)\n")
         regime_table(
-            args.n, args.regimes, 5 if args.quick else 15, args.against, getattr(torch, args.dtype), cases=cases
+            args.n, args.regimes, repeats, args.against, getattr(torch, args.dtype), cases=cases
         )
         return
     if args.grouped_mm:
         print("\n## CPU grouped: one grouped GEMM or blocks of one expert's pairs (fp32, best of interleaved runs)\n")
-        grouped_mm_table(args.n, 5 if args.quick else 15)
+        grouped_mm_table(args.n, repeats)
         return
     if args.anatomy:
         print("\n## CPU grouped forward, part by part (fp32, best of the interleaved repeats, ms)\n")
-        anatomy_table(args.n, 5 if args.quick else 15)
+        anatomy_table(args.n, repeats)
         return
     if args.inductor:
         print("\n## CPU per-expert GEMMs by MKL and by inductor's C++ template (fp32, best of the repeats, ms)\n")
-        inductor_table(args.n, 5 if args.quick else 15)
+        inductor_table(args.n, repeats)
         return
     if args.gemm_widths:
         print("\n## CPU GEMMs of one expert, result rows as they are and padded (fp32, best of interleaved repeats)\n")
-        width_table(args.n, 5 if args.quick else 15)
+        width_table(args.n, repeats)
         return
     if not args.no_cpu:
         print(f"\n## CPU ({args.dtype}, best of the interleaved repeats, ms)\n")
-        cpu_table(args.n, 5 if args.quick else 15, getattr(torch, args.dtype))
+        cpu_table(args.n, repeats, getattr(torch, args.dtype))
     if torch.cuda.is_available():
         print(f"\n## GPU ({torch.cuda.get_device_name()})\n")
         gpu_table(args.gpu_n)

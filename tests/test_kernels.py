@@ -1133,14 +1133,28 @@ def _time_once(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _tiny_cases(bench_module) -> list:
+    """Two benchmark cases small enough for the interpreter and the simulated GPU: V-like, and O-like ungated."""
+    Case = bench_module.Case
+    return [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+
+
+def _timed_rows(lines: list[str], cases: list, ns: tuple, width: int) -> list[list[str]]:
+    """The cells of a table with a row per case and N (in that order), `width` cells each, every cell after the
+    first two a positive number."""
+    rows = [line.strip("|").split("|") for line in lines[2:]]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in ns]
+    assert all(len(r) == width and float(cell) > 0 for r in rows for cell in r[2:]), rows
+    return rows
+
+
 def test_gpu_benchmark_table_runs_under_the_interpreter(backend):
     """benchmarks/kernels.py's GPU table, run on the CPU (Triton interpreter, tiny cases, one timed call per
     cell): its code keeps working where no GPU is, so that it runs unchanged when one is there."""
     backend("triton")
     bench_module = _benchmark_module()
     once = _time_once
-    Case = bench_module.Case
-    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    cases = _tiny_cases(bench_module)
     lines = bench_module.gpu_table([1, 9], DEVICE, cases, once, once)  # N = 9: tiled
     assert os.environ["SWITCHHEAD_KERNEL"] == "triton"  # what the fixture set, restored
     rows = [line.strip("|").split("|") for line in lines[2:]]
@@ -1159,12 +1173,9 @@ def test_host_time_table_runs_where_no_gpu_is(backend, capsys):
     and the backward's functions by own time, the op's own code among them."""
     backend("torch")
     bench_module = _benchmark_module()
-    Case = bench_module.Case
-    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    cases = _tiny_cases(bench_module)
     lines = bench_module.host_table([1, 9], DEVICE, cases, torch.float32, calls=2, top=50)
-    rows = [line.strip("|").split("|") for line in lines[2:]]
-    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
-    assert all(float(cell) > 0 for r in rows for cell in r[2:]), rows
+    rows = _timed_rows(lines, cases, (1, 9), 6)
     printed = capsys.readouterr().out.splitlines()
     forwards = [line for line in printed if line.startswith("    forward: ")]
     backwards = [line for line in printed if line.startswith("    backward: ")]
@@ -1398,13 +1409,9 @@ def test_simulated_host_time_table_runs_without_a_gpu(monkeypatch):
     op, `project` and their ratios, forward, forward + backward and in inference mode."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     bench_module = _benchmark_module()
-    Case = bench_module.Case
-    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    cases = _tiny_cases(bench_module)
     lines = bench_module.simulated_host_table([1, 9], cases, torch.bfloat16, calls=2, repeats=1)
-    rows = [line.strip("|").split("|") for line in lines[2:]]
-    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
-    assert all(len(r) == 9 and float(cell) > 0 for r in rows for cell in r[2:]), rows
-    _assert_ratio_columns(rows, 2, 5)
+    _assert_ratio_columns(_timed_rows(lines, cases, (1, 9), 9), 2, 5)
 
 
 def test_launch_table_times_both_launch_paths_without_a_gpu(monkeypatch):
@@ -1417,15 +1424,11 @@ def test_launch_table_times_both_launch_paths_without_a_gpu(monkeypatch):
     monkeypatch.setenv("SWITCHHEAD_KERNEL", "triton")
     tk = triton_kernels.load()
     bench_module = _benchmark_module()
-    Case = bench_module.Case
-    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    cases = _tiny_cases(bench_module)
     direct_before = sum(launcher.direct for launcher in tk._launchers.values())
     with gpu_build.simulated_gpu():
         lines = bench_module.launch_table([1, 9], "cpu", cases, torch.bfloat16, calls=2, repeats=1)
-    rows = [line.strip("|").split("|") for line in lines[2:]]
-    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
-    assert all(len(r) == 12 and float(cell) > 0 for r in rows for cell in r[2:]), rows
-    _assert_ratio_columns(rows, 2, 7)
+    _assert_ratio_columns(_timed_rows(lines, cases, (1, 9), 12), 2, 7)
     assert sum(launcher.direct for launcher in tk._launchers.values()) > direct_before
     assert tk.FAST_LAUNCH is True
 
@@ -1437,14 +1440,10 @@ def test_graph_table_times_checked_replays(backend, capsys):
     stops the table; a call that cannot be captured gets '-' cells and its error printed, and the rest is timed."""
     backend("auto" if DEVICE == "cuda" else "torch")
     bench_module = _benchmark_module()
-    Case = bench_module.Case
-    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    cases = _tiny_cases(bench_module)
     itself = bench_module.cuda_graph if DEVICE == "cuda" else (lambda fn: fn)
     lines = bench_module.graph_table([1, 9], DEVICE, cases, torch.float32, calls=2, repeats=1, capture=itself)
-    rows = [line.strip("|").split("|") for line in lines[2:]]
-    assert [(r[0].strip(), int(r[1])) for r in rows] == [(c.name, n) for c in cases for n in (1, 9)]
-    assert all(len(r) == 8 and float(cell) > 0 for r in rows for cell in r[2:]), rows
-    _assert_ratio_columns(rows, 2, 5)
+    _assert_ratio_columns(_timed_rows(lines, cases, (1, 9), 8), 2, 5)
 
     def off_by_one(fn):
         return lambda: tuple(t + 1 for t in fn())
@@ -1473,8 +1472,7 @@ def test_weight_grad_split_table_runs_under_the_interpreter(backend, monkeypatch
     backend("triton")  # TRITON_INTERPRET on the CPU
     monkeypatch.setenv("SWITCHHEAD_KERNEL", "torch")  # the table forces the kernels itself and puts this back
     bench_module = _benchmark_module()
-    Case = bench_module.Case
-    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    cases = _tiny_cases(bench_module)
     tk = triton_kernels.load()
     seen, grads = [], []
 
@@ -1498,8 +1496,7 @@ def test_gpu_regime_table_runs_under_the_interpreter(backend):
     the CPU through the interpreter with tiny cases and one timed call per cell."""
     backend("triton")
     bench_module = _benchmark_module()
-    Case = bench_module.Case
-    cases = [Case("V", 20, 12, 1, 2, 2, 3, 2), Case("O ungated", 12, 20, 2, 1, 2, 3, 2, gated=False)]
+    cases = _tiny_cases(bench_module)
     regimes = ["dense", "grouped", "combo", "grouped_mm"]
     timer = bench_module.each_call(_time_once)
     lines = bench_module.regime_table([9], regimes, 0, None, torch.float16, DEVICE, timer, cases, triton=True)

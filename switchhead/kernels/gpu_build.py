@@ -13,7 +13,7 @@ pipelining. Used by `benchmarks/kernel_resources.py` and the tests.
 
 `simulated_gpu` measures something the builds cannot show, the host time of a CUDA call, on a machine without a
 GPU: the op runs its compiled path on CPU tensors, through a stand-in for Triton's CUDA driver whose launches do
-nothing. Used by `benchmarks/kernels.py --host --simulated` and the tests.
+nothing. Used by `benchmarks/kernels.py --host --simulated`, `--launch --simulated` and the tests.
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ def load() -> ModuleType:
     return module
 
 
-# Host-side arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 work in kernels too, and cost
-# 2-3 us per call on the host (Triton 3.9), about as much as a launch's own Python.
+# Host-side arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 work in kernels too, and cost about
+# 2 us a call on the host in Triton 3.9 (`python -m timeit`, docs/BENCHMARKS.md "Direct launches").
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -269,12 +269,12 @@ class _DirectLauncher:
         # The launch as Triton's path makes it with a build it has (JITFunction.run), whose launch metadata is only
         # for a launch hook (None without one).
         grid = grid(bound) if callable(grid) else grid  # the arguments by name, as Triton passes them
-        args, stream = tuple(bound.values()), driver.active.get_current_stream(device)
+        values, stream = tuple(bound.values()), driver.active.get_current_stream(device)
         enter_hook = knobs.runtime.launch_enter_hook
-        metadata = build.launch_metadata(grid, stream, *args) if enter_hook is not None else None
+        metadata = build.launch_metadata(grid, stream, *values) if enter_hook is not None else None
         g0, g1, g2 = (*grid, 1, 1)[:3]
         build.run(g0, g1, g2, stream, build.function, build.packed_metadata, metadata, enter_hook,
-                  knobs.runtime.launch_exit_hook, *args)  # fmt: skip
+                  knobs.runtime.launch_exit_hook, *values)  # fmt: skip
         self.direct += 1
         return build
 
